@@ -1,0 +1,1 @@
+"""Wiring on Ray: launcher, CLI, Ray Serve app, simulator, load generator."""

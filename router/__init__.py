@@ -1,0 +1,1 @@
+"""The HTTP front: tokenizer, prefix index, routing policies, sessions, backends."""
