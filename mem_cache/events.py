@@ -18,7 +18,6 @@ import array
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import msgpack
 import numpy as np
@@ -104,7 +103,7 @@ class AllCleared:
     """Everything the worker had cached is gone (reset, restart, or the start of a snapshot)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllCleared]
+KVEvent = BlockStored | BlockRemoved | AllCleared
 
 
 @dataclass(frozen=True, slots=True)

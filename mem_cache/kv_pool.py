@@ -29,8 +29,11 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (size, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffer = [self._zeros(shape) for _ in range(num_layers)]
+        self.v_buffer = [self._zeros(shape) for _ in range(num_layers)]
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def set_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write `k`, `v` ([n, num_kv_heads, head_dim]) of one layer into `slots` ([n])."""
