@@ -75,6 +75,35 @@ def block_hashes(
     return _splitmix64(prefix ^ np.uint64(namespace_seed(namespace))).tolist()
 
 
+def extend_block_hashes(
+    tokens: Sequence[int],
+    start: int,
+    state: int = 0,
+    namespace: str | None = None,
+    block_size: int = 16,
+) -> tuple[list[int], int]:
+    """Continue `block_hashes` over `tokens` that follow `start` earlier tokens.
+
+    `state` is the running state after those earlier tokens (0 at the start of a sequence; the
+    second value this function returned for them otherwise). Returns the hashes of the blocks
+    that end inside `tokens` and the state after them, so that for any split of a sequence
+    `block_hashes(a + b) == block_hashes(a) + extend_block_hashes(b, len(a), s_a)[0]` where
+    `s_a = extend_block_hashes(a, 0)[1]`. A radix tree uses it to hash only the tokens it adds.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n = len(tokens)
+    if n == 0:
+        return [], state
+    mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(start + n)[start:])
+    with np.errstate(over="ignore"):
+        sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
+    first_end = (block_size - 1 - start) % block_size  # index of the first block end in `tokens`
+    ends = sums[first_end::block_size]
+    hashes = _splitmix64(ends ^ np.uint64(namespace_seed(namespace))).tolist() if len(ends) else []
+    return hashes, int(sums[-1])
+
+
 # --- events -------------------------------------------------------------------------------------
 
 DEVICE = "device"
