@@ -1,0 +1,191 @@
+"""Attention over a paged KV pool: one interface, several backends.
+
+A forward pass covers several sequences whose new tokens are flattened into one `[T, ...]`
+tensor, sequence after sequence (`AttentionBatch.q_lens`). Each backend first writes the new
+tokens' K/V into the `KVPool` at `slot_mapping`, then lets every sequence's queries attend over
+all of its `kv_slots` (cached prefix + new tokens). The causal mask is aligned to the END: the
+`q_len` queries of a sequence are its last `q_len` positions, so query `i` sees keys
+`0 .. kv_len - q_len + i`.
+
+Backends: `torch` (reference, CPU and GPU, always there), `triton` (a paged kernel, CUDA +
+triton only) and `flashinfer` (when that package is importable). The GPU backends are
+imported lazily so this module loads on a machine without them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mem_cache.kv_pool import KVPool
+
+
+@dataclass
+class AttentionBatch:
+    """The shape of one forward pass. Tokens are flattened sequence by sequence.
+
+    `q_lens[i]` new tokens of sequence `i` (they sum to T); `kv_lens[i] >= q_lens[i]` is its
+    cached prefix plus its new tokens; `slot_mapping` (int64 [T]) the slot where each new
+    token's K/V goes; `kv_slots[i]` (int64 [kv_len_i]) the slots of all its tokens in order,
+    the last `q_lens[i]` of them equal to its part of `slot_mapping`.
+
+    A backend may memoise per-batch index tensors in `plan` (shared by every layer of the pass);
+    callers build a fresh batch per forward pass.
+    """
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    slot_mapping: torch.Tensor
+    kv_slots: list[torch.Tensor]
+    plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    def validate(self) -> None:
+        """Raise ValueError when the lengths do not describe a consistent batch."""
+        if not (len(self.q_lens) == len(self.kv_lens) == len(self.kv_slots)):
+            raise ValueError("q_lens, kv_lens and kv_slots must have one entry per sequence")
+        if self.slot_mapping.numel() != self.num_tokens:
+            raise ValueError("slot_mapping must have one slot per new token")
+        for q_len, kv_len, slots in zip(self.q_lens, self.kv_lens, self.kv_slots, strict=True):
+            if not 0 < q_len <= kv_len or slots.numel() != kv_len:
+                raise ValueError(
+                    f"bad sequence: q_len={q_len} kv_len={kv_len} slots={slots.numel()}"
+                )
+
+
+class AttentionBackend(ABC):
+    """Writes the new K/V of one layer into the pool and attends over each sequence's KV."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: int,
+        batch: AttentionBatch,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] of the new tokens -> attention output [T, H, D]."""
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gather each sequence's KV from the pool, then SDPA.
+
+    Sequences that decode one token are attended together as one padded batch (a key padding
+    mask); every other sequence gets its own call, with `is_causal` when it has no cached
+    prefix and an explicit end-aligned mask when it has one.
+    """
+
+    name = "torch"
+
+    def forward(self, q, k, v, layer, batch, kv_pool):
+        kv_pool.set_kv(layer, batch.slot_mapping, k, v)
+        plan = batch.plan.get("torch")
+        if plan is None:
+            plan = batch.plan["torch"] = _TorchPlan.build(batch, q.device)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            out[plan.decode_rows] = _decode(q[plan.decode_rows], layer, kv_pool, plan)
+        for start, q_len, slots, mask in plan.prefills:
+            q_seq = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
+            k_seq, v_seq = (t.transpose(0, 1) for t in kv_pool.get_kv(layer, slots))
+            o = F.scaled_dot_product_attention(
+                q_seq,
+                k_seq.to(q.dtype),
+                v_seq.to(q.dtype),
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=True,
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+        return out
+
+
+@dataclass
+class _TorchPlan:
+    """Index tensors of one batch for the torch backend, built once per forward pass."""
+
+    decode_rows: torch.Tensor | None  # [B] token rows of the one-token sequences
+    decode_slots: torch.Tensor | None  # [B, Kmax] their KV slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Kmax] True where a key is real
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]  # start, q_len, slots, mask
+
+    @staticmethod
+    def build(batch: AttentionBatch, device: torch.device) -> _TorchPlan:
+        rows, decode_slots, prefills = [], [], []
+        start = 0
+        for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots, strict=True):
+            slots = slots.to(device)
+            if q_len == 1:
+                rows.append(start)
+                decode_slots.append(slots)
+            else:
+                prefills.append((start, q_len, slots, _end_aligned_mask(q_len, kv_len, device)))
+            start += q_len
+        if not rows:
+            return _TorchPlan(None, None, None, prefills)
+        kmax = max(s.numel() for s in decode_slots)
+        padded = torch.zeros((len(rows), kmax), dtype=torch.int64, device=device)
+        lens = torch.tensor([s.numel() for s in decode_slots], device=device)
+        for i, s in enumerate(decode_slots):
+            padded[i, : s.numel()] = s
+        mask = (torch.arange(kmax, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+        return _TorchPlan(rows_t, padded, mask, prefills)
+
+
+def _end_aligned_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Bool [q_len, kv_len] mask, True where query i may see key j (j <= kv_len - q_len + i).
+
+    None when there is no cached prefix: plain `is_causal` is the same mask and faster.
+    """
+    if q_len == kv_len:
+        return None
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+
+
+def _decode(q: torch.Tensor, layer: int, kv_pool: KVPool, plan: _TorchPlan) -> torch.Tensor:
+    """One query per sequence over its padded KV: q [B, H, D] -> [B, H, D]."""
+    k = kv_pool.k_buffer[layer][plan.decode_slots].to(q.dtype)  # [B, Kmax, KVH, D]
+    v = kv_pool.v_buffer[layer][plan.decode_slots].to(q.dtype)
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :],
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=plan.decode_mask,
+        enable_gqa=True,
+    )
+    return o[:, :, 0, :]
+
+
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+
+
+def make_attention(name: str = "torch") -> AttentionBackend:
+    """The backend called `name`: "torch" | "triton" | "flashinfer".
+
+    Raises ValueError for an unknown name and ImportError when a GPU backend's package or a
+    CUDA device is missing.
+    """
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from worker.attention_triton import TritonAttention
+
+        return TritonAttention()
+    if name == "flashinfer":
+        from worker.attention_flashinfer import FlashInferAttention
+
+        return FlashInferAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKENDS}")

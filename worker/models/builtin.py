@@ -1,0 +1,181 @@
+"""Built-in models `tiny` (tests) and `small` (CPU benchmarks), generated offline.
+
+Each is a real HF Llama directory (config.json, generation_config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a chat template) written on first use into
+`$RADIXRAY_CACHE/<name>-v1` (default `~/.cache/radixray/models/<name>-v1`). Generation is
+deterministic (fixed seeds): the same files on every machine. Several processes may ask at
+once: one generates under a file lock into a temporary folder and renames it into place, the
+others wait on the lock and find it done.
+
+Weights are random but scaled (unit-variance embeddings, 1/sqrt(fan_in) projections, an untied
+LM head) so that greedy decoding wanders over many tokens instead of repeating one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from safetensors.torch import save_file
+
+from worker.models.builtin_tokenizer import BOS, END_OF_TEXT, EOS, write_tokenizer
+
+VERSION = "v1"
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """Shape of a built-in model (a Llama with GQA)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_context: int
+    rope_theta: float = 10000.0
+    seed: int = 0
+
+
+BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+    "tiny": BuiltinSpec(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        max_context=8192,
+    ),
+    "small": BuiltinSpec(
+        vocab_size=4096,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_layers=6,
+        num_heads=6,
+        num_kv_heads=2,
+        max_context=16384,
+        rope_theta=100000.0,
+        seed=1,
+    ),
+}
+
+
+def cache_root() -> Path:
+    """Where built-in models live: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
+    env = os.environ.get("RADIXRAY_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "radixray" / "models"
+
+
+def builtin_model_path(name: str) -> Path:
+    """The directory of built-in model `name`, generating it first if needed.
+
+    ValueError for an unknown name. Safe under concurrent calls from several processes.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
+    root = cache_root()
+    final = root / f"{name}-{VERSION}"
+    if final.exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f".{name}-{VERSION}.lock")):
+        if final.exists():  # another process finished while we waited
+            return final
+        tmp = root / f".{name}-{VERSION}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            generate(name, tmp)
+            os.rename(tmp, final)  # atomic: readers see nothing or the whole directory
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model(name_or_dir: str) -> Path:
+    """A built-in model's directory, or `name_or_dir` itself when it is an HF model directory.
+
+    ValueError when it is neither.
+    """
+    if name_or_dir in BUILTIN_MODELS:
+        return builtin_model_path(name_or_dir)
+    path = Path(name_or_dir).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"model {name_or_dir!r} is neither a built-in ({', '.join(sorted(BUILTIN_MODELS))}) "
+        "nor a directory with a config.json"
+    )
+
+
+def generate(name: str, dest: Path) -> None:
+    """Write the whole HF directory of built-in model `name` into the existing folder `dest`."""
+    spec = BUILTIN_MODELS[name]
+    ids = write_tokenizer(dest, spec.vocab_size, spec.max_context, spec.seed)
+    eos = [ids[EOS], ids[END_OF_TEXT]]
+    config = _hf_config(name, spec, bos=ids[BOS], eos=eos)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": ids[BOS], "eos_token_id": eos, "pad_token_id": ids[END_OF_TEXT]}
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(random_weights(spec), str(dest / "model.safetensors"), metadata={"format": "pt"})
+    for file in dest.iterdir():
+        file.chmod(0o644)  # a shared cache: readable by every user's workers
+
+
+def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "radixray_name": name,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.hidden_size // spec.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_context,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": eos[-1],
+        "dtype": "float32",
+    }
+
+
+def random_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
+    """HF-named float32 tensors drawn from a generator seeded with `spec.seed`."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, head = spec.hidden_size, spec.hidden_size // spec.num_heads
+    q, kv, inter = spec.num_heads * head, spec.num_kv_heads * head, spec.intermediate_size
+
+    def linear(out_dim: int, in_dim: int) -> torch.Tensor:
+        return torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5
+
+    weights = {"model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = torch.ones(h)
+        weights[p + "self_attn.q_proj.weight"] = linear(q, h)
+        weights[p + "self_attn.k_proj.weight"] = linear(kv, h)
+        weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
+        weights[p + "self_attn.o_proj.weight"] = linear(h, q)
+        weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        weights[p + "mlp.gate_proj.weight"] = linear(inter, h)
+        weights[p + "mlp.up_proj.weight"] = linear(inter, h)
+        weights[p + "mlp.down_proj.weight"] = linear(h, inter)
+    weights["model.norm.weight"] = torch.ones(h)
+    weights["lm_head.weight"] = linear(spec.vocab_size, h) * 4.0
+    return {k: v.contiguous() for k, v in weights.items()}

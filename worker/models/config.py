@@ -1,0 +1,162 @@
+"""`ModelConfig`: what the decoder needs from an HF `config.json`, normalised.
+
+Reads both the transformers-4 keys (`torch_dtype`, `rope_theta` + `rope_scaling`) and the
+transformers-5 ones (`dtype`, `rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-family decoder's shape. Defaults are Llama's.
+
+    `rope_scaling` is None for plain RoPE, else a dict with `rope_type` ("linear", "llama3",
+    "yarn", "dynamic") and that type's parameters. `max_context` is the longest sequence the
+    model serves exactly: `max_position_embeddings`, capped at `sliding_window` when the model
+    uses one (this decoder attends over the full context, so longer would differ from HF).
+    """
+
+    name: str
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_context: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_dir(cls, path: str | Path, name: str | None = None) -> ModelConfig:
+        """Read `config.json` (and `generation_config.json` for extra EOS ids) of an HF dir."""
+        path = Path(path)
+        hf = json.loads((path / "config.json").read_text())
+        gen_path = path / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        return cls.from_hf(hf, name or hf.get("radixray_name") or path.name, gen)
+
+    @classmethod
+    def from_hf(
+        cls, hf: dict[str, Any], name: str, gen: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        """Normalise an HF config dict; ValueError for an architecture this decoder lacks."""
+        model_type = _model_type(hf)
+        num_heads = hf["num_attention_heads"]
+        theta, scaling = _rope(hf)
+        max_context = hf.get("max_position_embeddings", 4096)
+        window = _sliding_window(hf, model_type)
+        if window:
+            max_context = min(max_context, window)
+        return cls(
+            name=name,
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_context=max_context,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=model_type != "qwen2" and bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=_eos_ids(hf, gen or {}),
+            bos_token_id=hf.get("bos_token_id"),
+            dtype=_dtype(hf.get("dtype") or hf.get("torch_dtype")),
+        )
+
+
+def _model_type(hf: dict[str, Any]) -> str:
+    for arch in hf.get("architectures") or []:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    if hf.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+        return hf["model_type"]
+    raise ValueError(
+        f"unsupported model: architectures={hf.get('architectures')} "
+        f"model_type={hf.get('model_type')}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = dict(hf.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = {**legacy, **params}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    scaling.pop("type", None)
+    if rope_type in ("llama3", "yarn", "dynamic"):
+        scaling.setdefault(
+            "original_max_position_embeddings", hf.get("max_position_embeddings", 4096)
+        )
+    return theta, scaling
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str) -> int | None:
+    window = hf.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _eos_ids(hf: dict[str, Any], gen: dict[str, Any]) -> list[int]:
+    ids: list[int] = []
+    for source in (hf.get("eos_token_id"), gen.get("eos_token_id")):
+        for tok in source if isinstance(source, list) else [source]:
+            if tok is not None and tok not in ids:
+                ids.append(int(tok))
+    return ids
+
+
+def _dtype(value: str | None) -> torch.dtype:
+    if value is None:
+        return torch.float32
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {value!r}")
+    return _DTYPES[name]

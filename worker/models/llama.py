@@ -1,0 +1,219 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a paged KV pool.
+
+Differences between the families are flags in `ModelConfig`: `qkv_bias` (Qwen2), `qk_norm`
+(Qwen3: RMSNorm over each head of q and k before RoPE), `o_bias`/`mlp_bias` (Llama's
+`attention_bias`/`mlp_bias`), tied embeddings, RoPE scaling. q/k/v and gate/up are fused into
+one matmul each; `load_weights` maps HF's separate tensors into the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mem_cache.kv_pool import KVPool
+from worker.attention import AttentionBackend, AttentionBatch, make_attention
+from worker.models.config import ModelConfig
+from worker.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like HF, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.layer = layer
+        self.backend = backend
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias, dtype=cfg.dtype
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias, dtype=cfg.dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        batch: AttentionBatch,
+        kv_pool: KVPool,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        out = self.backend.forward(q, k, v, self.layer, batch, kv_pool)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias, dtype=cfg.dtype
+        )
+        self.down_proj = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=cfg.dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, layer, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, batch, kv_pool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch, kv_pool)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Embeddings, decoder layers, final norm, LM head. Parameter names follow HF's except for
+    the fused `qkv_proj` / `gate_up_proj`.
+
+    Build it under `torch.device("meta")` and fill it with `load_weights` (what `load_model`
+    does), or build it on a real device for tests.
+    """
+
+    def __init__(self, config: ModelConfig, attention: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.backend = make_attention(attention)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.backend) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.lm_head = nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=config.dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope: RotaryEmbedding | None = None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_pool: KVPool,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] of the new tokens -> float32 logits [S, vocab] of the
+        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last).
+
+        Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`.
+        """
+        rope = self._rope(input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, rope, batch, kv_pool)
+        x = self.norm(x[logits_indices])
+        return self.lm_head(x).to(torch.float32)
+
+    def _rope(self, device: torch.device) -> RotaryEmbedding:
+        # Built lazily, outside any meta-device context, on the device the inputs live on.
+        if self.rope is None or self.rope.inv_freq.device != device:
+            cfg = self.config
+            self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, device)
+        return self.rope
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; ValueError if any parameter stays unset.
+
+        Separate q/k/v and gate/up tensors land in their slice of the fused parameter.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = _fused_target(hf_name, self.config)
+            if target is None:
+                continue
+            name, start = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name} has no parameter {name}")
+            param = params[name]
+            rows = tensor.shape[0]
+            dest = param.data if start is None else param.data[start : start + rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(name if start is None else f"{name}@{start}")
+        self._check_loaded(loaded)
+
+    def _check_loaded(self, loaded: set[str]) -> None:
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        if tied and "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.embed_tokens.weight
+        expected = set()
+        for name, _ in self.named_parameters():
+            if name in tied:
+                continue
+            for start in _fused_starts(name, self.config):
+                expected.add(name if start is None else f"{name}@{start}")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def _fused_target(hf_name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """(our parameter name, row offset in it or None) for one HF tensor name; None to skip."""
+    name = hf_name.removeprefix("model.")
+    if "rotary_emb" in name:
+        return None
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    offsets = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", q),
+        "v_proj": ("qkv_proj", q + kv),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", cfg.intermediate_size),
+    }
+    for part, (fused, start) in offsets.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), start
+    return name, None
+
+
+def _fused_starts(name: str, cfg: ModelConfig) -> list[int | None]:
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if ".qkv_proj." in name:
+        return [0, q, q + kv]
+    if ".gate_up_proj." in name:
+        return [0, cfg.intermediate_size]
+    return [None]

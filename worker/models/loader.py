@@ -1,0 +1,74 @@
+"""Load an HF model directory (config.json + safetensors) into a `CausalLM`.
+
+Weights may be one `model.safetensors`, shards listed by `model.safetensors.index.json`, or
+(older checkpoints) `pytorch_model*.bin`. Tensors are cast to the model dtype as they are read,
+so a bf16 checkpoint loads as fp32 and the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker.models.builtin import resolve_model
+from worker.models.config import ModelConfig
+from worker.models.llama import CausalLM
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    attention: str = "torch",
+) -> CausalLM:
+    """The model in `path` (an HF directory or a built-in name such as "tiny") on `device`.
+
+    `dtype` None keeps the checkpoint's dtype (`dtype`/`torch_dtype` in config.json, float32
+    when absent). The model is in eval mode; its forward runs under inference mode.
+    """
+    path = resolve_model(str(path))
+    config = ModelConfig.from_dir(path)
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
+    with torch.device("meta"):
+        model = CausalLM(config, attention=attention)
+    model.to_empty(device=torch.device(device))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty may untie them
+    model.load_weights(iter_weights(path, config.dtype, device))
+    return model.eval()
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The checkpoint files of an HF directory, in a stable order; FileNotFoundError if none."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors or pytorch_model*.bin weights in {path}")
+    return files
+
+
+def iter_weights(
+    path: Path, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor cast to `dtype` on `device`) for every tensor of the checkpoint."""
+    for file in weight_files(path):
+        if file.suffix == ".bin":
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            for name, tensor in state.items():
+                yield name, tensor.to(device=device, dtype=dtype)
+            continue
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name).to(device=device, dtype=dtype)
