@@ -1,0 +1,110 @@
+"""Slot allocator: the free list of KV slot ids, handed out in whole pages.
+
+A slot holds the K and V of one token in every layer (see `KVPool`). Slots are grouped into
+pages of `page_size` contiguous slots; page `k` is slots `k*page_size .. (k+1)*page_size - 1`.
+The allocator is the single owner of free slots: every slot is either here or owned by exactly
+one of a radix-tree node, a running request, or a parked session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+SlotIds = torch.Tensor | np.ndarray | Sequence[int]
+
+
+def as_int64_array(values: SlotIds) -> np.ndarray:
+    """`values` as a 1-D int64 numpy array (no copy when it already is one on the CPU)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    if isinstance(values, np.ndarray):
+        return values.astype(np.int64, copy=False).reshape(-1)
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+class KVAllocator:
+    """Free list of the slot ids `0..size-1`, in pages of `page_size` slots.
+
+    `alloc(n)` takes whole pages (`n` a multiple of `page_size`) and returns their slot ids page
+    by page, each page's slots contiguous and ascending; it returns `None`, taking nothing, when
+    fewer than `n` slots are free. `free(slots)` gives whole pages back; a slot out of range,
+    already free, or listed twice raises `ValueError` and nothing is freed.
+    """
+
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive, got {page_size}")
+        if size < 0 or size % page_size:
+            raise ValueError(f"size {size} is not a non-negative multiple of page {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self.clear()
+
+    def clear(self) -> None:
+        """Make every slot free again (the owners must have forgotten theirs)."""
+        # A stack of free page ids: pages are taken from and returned to its top. Low ids on top
+        # first, so a fresh allocator hands out slots 0, 1, 2, ...
+        self._free_pages = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
+        self._num_free = self.num_pages
+        self._is_free = np.ones(self.num_pages, dtype=bool)
+
+    def available_size(self) -> int:
+        """Free slots, in tokens."""
+        return self._num_free * self.page_size
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """`n` free slot ids (int64, page by page), or `None` if fewer than `n` are free."""
+        if n < 0 or n % self.page_size:
+            raise ValueError(f"alloc({n}): not a non-negative multiple of page {self.page_size}")
+        num = n // self.page_size
+        if num > self._num_free:
+            return None
+        top = self._num_free
+        pages = self._free_pages[top - num : top][::-1].copy()
+        self._num_free = top - num
+        self._is_free[pages] = False
+        return torch.from_numpy(self._pages_to_slots(pages))
+
+    def free(self, slots: SlotIds) -> None:
+        """Give whole pages back. Validates everything before changing anything."""
+        pages = self._slots_to_pages(as_int64_array(slots))
+        if len(pages) == 0:
+            return
+        if not self._is_free[pages].any() and len(np.unique(pages)) == len(pages):
+            self._is_free[pages] = True
+            top = self._num_free
+            self._free_pages[top : top + len(pages)] = pages[::-1]
+            self._num_free = top + len(pages)
+            return
+        if len(np.unique(pages)) != len(pages):
+            raise ValueError("free(): a page is listed twice")
+        already = self._pages_to_slots(pages[self._is_free[pages]])[:8]
+        raise ValueError(f"free(): slots already free: {already.tolist()}")
+
+    def free_slot_ids(self) -> np.ndarray:
+        """The free slot ids (a copy), for integrity checks."""
+        return self._pages_to_slots(self._free_pages[: self._num_free])
+
+    def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
+        if self.page_size == 1:
+            return pages.astype(np.int64, copy=True)
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
+
+    def _slots_to_pages(self, slots: np.ndarray) -> np.ndarray:
+        """Page ids of `slots`; raises `ValueError` unless they are whole pages within range."""
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.size):
+            raise ValueError(f"free(): slot out of range 0..{self.size - 1}")
+        if self.page_size == 1:
+            return slots
+        if len(slots) % self.page_size:
+            raise ValueError(f"free(): {len(slots)} slots are not whole pages of {self.page_size}")
+        by_page = slots.reshape(-1, self.page_size)
+        pages = by_page[:, 0] // self.page_size
+        if not np.array_equal(by_page, pages[:, None] * self.page_size + self._page_offsets):
+            raise ValueError("free(): slots are not whole pages (contiguous, ascending, aligned)")
+        return pages

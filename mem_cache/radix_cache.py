@@ -1,0 +1,405 @@
+"""Radix (prefix) cache: token sequences -> the KV slots that hold them.
+
+The tree maps token paths to slot ids. Each edge (`TreeNode`) holds whole pages of tokens. The
+KV of a request's tokens lives in four regions, each with one owner at any moment:
+
+    [cached prefix: tree nodes | new prompt + output: the request | session tail | free: allocator]
+
+Ownership moves only in: `insert` (request -> tree), `evict` and `reset` (tree -> allocator).
+`lock`/`unlock` pin a path (the request's cached prefix) against eviction without moving it.
+
+Eviction is LRU over unlocked leaves. The candidates live in a lazy min-heap keyed by last use:
+a node is pushed whenever it becomes (or, touched, stays) an unlocked leaf, and an entry is live
+only while its sequence number is the node's `heap_seq`; stale entries are skipped on pop and
+the heap is compacted when they outnumber the nodes. No `evict` walks the tree.
+
+KV events follow blocks of `block_size` tokens counted from the root (independent of
+`page_size`): a node reports `BlockStored` for the blocks that end inside it when it is
+created and `BlockRemoved` for them when it is evicted; a split moves blocks between two nodes
+and reports nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from mem_cache.allocator import KVAllocator, SlotIds, as_int64_array
+from mem_cache.events import AllCleared, BlockRemoved, BlockStored, KVEvent, extend_block_hashes
+from mem_cache.radix_integrity import check_tree
+from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, common_prefix_tokens, make_root
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class MatchResult(NamedTuple):
+    """A prefix match. `indices` are the slots of the first `length` tokens (a fresh tensor;
+    only safe to use while `node` is locked); `node` is where the match ended (the root on a
+    miss); `host_length` counts tokens past `length` that only the host tier holds."""
+
+    indices: torch.Tensor
+    node: TreeNode
+    length: int
+    host_length: int = 0
+
+
+def fresh_parent(hashes: list[int], fresh: list[int], before: int | None) -> int | None:
+    """The block before `fresh[0]` on a node whose blocks are `hashes` (preceded by `before`)."""
+    i = hashes.index(fresh[0])
+    return hashes[i - 1] if i else before
+
+
+class RadixCache:
+    """Radix tree from token sequences to slot ids; see the module docstring and DESIGN.md.
+
+    With `allocator=None` it is a pure index: nothing is freed, `indices` may be omitted on
+    insert, and a match returns empty `indices` unless every node on its path was given slots.
+    """
+
+    def __init__(
+        self, allocator: KVAllocator | None, page_size: int = 1, block_size: int = 16
+    ) -> None:
+        if page_size <= 0 or block_size <= 0:
+            raise ValueError("page_size and block_size must be positive")
+        if allocator is not None and allocator.page_size != page_size:
+            raise ValueError(
+                f"allocator page_size {allocator.page_size} != cache page_size {page_size}"
+            )
+        self.allocator = allocator
+        self.page_size = page_size
+        self.block_size = block_size
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._events: list[KVEvent] = []
+        # When pages do not tile blocks, sibling nodes (which differ somewhere in their first
+        # page) can both hold a block that ends before they differ: count holders per hash.
+        self._block_refs: dict[int, int] | None = {} if block_size % page_size else None
+        self._tick = 0
+        self._seq = 0
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        self.root = make_root()
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []
+        if self._block_refs is not None:
+            self._block_refs = {}
+
+    # --- sizes ------------------------------------------------------------------------------
+
+    def evictable_size(self) -> int:
+        """Cached tokens on no locked path."""
+        return self._evictable
+
+    def protected_size(self) -> int:
+        """Cached tokens on some locked path."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """All cached tokens (the root counts for nothing)."""
+        return self._evictable + self._protected
+
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    # --- lookup and insertion ---------------------------------------------------------------
+
+    def match_prefix(self, tokens: object, namespace: str | None = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens`. Takes no lock; refreshes recency.
+
+        A match ending inside a node splits it so that `.node` ends exactly at the match.
+        """
+        arr = as_tokens(tokens)
+        n = len(arr) // self.page_size * self.page_size
+        node, pos, path = self._walk(arr[:n].tobytes(), namespace)
+        self._touch(path)
+        return MatchResult(self._gather(path), node, pos)
+
+    def insert(
+        self, tokens: object, indices: SlotIds | None = None, namespace: str | None = None
+    ) -> int:
+        """Cache the page-aligned prefix of `tokens`; return how many tokens were cached before.
+
+        Needs `len(indices) >= aligned_len`. Afterwards the tree owns
+        `indices[returned:aligned_len]`; the caller still owns `indices[:returned]` (duplicates
+        it must free) and `indices[aligned_len:]` (the unaligned tail).
+        """
+        arr = as_tokens(tokens)
+        n = len(arr) // self.page_size * self.page_size
+        values = None if indices is None else as_int64_array(indices)
+        if values is None and self.allocator is not None:
+            raise ValueError("insert() needs indices when the cache has an allocator")
+        if values is not None and len(values) < n:
+            raise ValueError(f"insert(): {len(values)} indices for {n} aligned tokens")
+        query = arr[:n].tobytes()
+        node, pos, path = self._walk(query, namespace)
+        self._touch(path)
+        if pos < n:
+            self._add_leaf(node, query, arr, pos, n, values, namespace)
+        return pos
+
+    def _walk(self, query: bytes, namespace: str | None) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follow `query` (int64 bytes, page-aligned) down the tree, splitting a partly matched
+        node. Returns the last node, the matched length in tokens and the path (root excluded)."""
+        node, pos, path = self.root, 0, []
+        page, end = self._page_bytes, len(query)
+        while pos < end:
+            first = query[pos : pos + page]
+            child = node.children.get((namespace, first) if node is self.root else first)
+            if child is None:
+                break
+            key = child.key
+            if query.startswith(key, pos):
+                pos += len(key)
+                node = child
+                path.append(child)
+                continue
+            shared = common_prefix_tokens(key, query[pos:]) // self.page_size * self.page_size
+            node = self._split(child, shared)
+            path.append(node)
+            pos += shared * TOKEN_BYTES
+            break
+        return node, pos // TOKEN_BYTES, path
+
+    def _split(self, child: TreeNode, length: int) -> TreeNode:
+        """Cut `child` after `length` tokens; the new upper node takes its place and is returned.
+
+        `child` keeps denoting the same path end (handles stay valid); locks, sizes, last use
+        and events are unchanged because both halves carry the old node's state.
+        """
+        assert 0 < length < len(child) and length % self.page_size == 0, "split off the pages"
+        parent, cut = child.parent, length * TOKEN_BYTES
+        assert parent is not None
+        bs = self.block_size
+        num_blocks = (child.start + length) // bs - child.start // bs
+        _, state = extend_block_hashes(
+            child.tokens()[:length], child.start, parent.hash_state, child.namespace, bs
+        )
+        upper = TreeNode(
+            parent,
+            child.key[:cut],
+            None if child.value is None else child.value[:length].copy(),
+            child.namespace,
+            child.start,
+            child.hashes[:num_blocks],
+            state,
+            child.last_access,
+        )
+        upper.lock_ref = child.lock_ref
+        parent.children[self._child_key(child)] = upper
+        child.key = child.key[cut:]
+        child.value = None if child.value is None else child.value[length:].copy()
+        child.start += length
+        child.hashes = child.hashes[num_blocks:]
+        child.parent = upper
+        upper.children[child.key[: self._page_bytes]] = child
+        self._num_nodes += 1
+        return upper
+
+    def _add_leaf(
+        self,
+        parent: TreeNode,
+        query: bytes,
+        arr: np.ndarray,
+        pos: int,
+        n: int,
+        values: np.ndarray | None,
+        namespace: str | None,
+    ) -> None:
+        """Hang tokens `pos..n` under `parent` (which ends at `pos`); the tree takes their slots."""
+        hashes, state = extend_block_hashes(
+            arr[pos:n], pos, parent.hash_state, namespace, self.block_size
+        )
+        value = None if values is None else values[pos:n].copy()
+        leaf = TreeNode(
+            parent, query[pos * TOKEN_BYTES :], value, namespace, pos, hashes, state, self._tick
+        )
+        parent.children[self._child_key(leaf)] = leaf
+        self._evictable += n - pos
+        self._num_nodes += 1
+        self._push(leaf)
+        if hashes:
+            self._report_stored(hashes, self._last_hash(parent))
+
+    def _child_key(self, node: TreeNode) -> object:
+        first = node.key[: self._page_bytes]
+        return (node.namespace, first) if node.parent is self.root else first
+
+    def _last_hash(self, node: TreeNode) -> int | None:
+        """Hash of the last full block on the path root..node (None if there is none)."""
+        while node is not self.root and not node.hashes:
+            node = node.parent  # type: ignore[assignment]
+        return node.hashes[-1] if node.hashes else None
+
+    def _touch(self, path: list[TreeNode]) -> None:
+        self._tick += 1
+        for node in path:
+            node.last_access = self._tick
+        if path and not path[-1].children and path[-1].lock_ref == 0:
+            self._push(path[-1])  # its heap position must follow its new last use
+
+    def _gather(self, path: list[TreeNode]) -> torch.Tensor:
+        values = [node.value for node in path]
+        if not values or any(v is None for v in values):
+            return _EMPTY.clone()
+        return torch.from_numpy(np.concatenate(values))
+
+    # --- locks ------------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect the path root..node from eviction (counted; the root is a no-op)."""
+        if node is self.root:
+            return
+        if node.parent is None:
+            raise ValueError("lock(): the node was evicted")
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node)
+                self._protected += len(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: TreeNode) -> None:
+        """Release one `lock(node)`. Raises `ValueError`, changing nothing, if it has none."""
+        if node is self.root:
+            return
+        if node.lock_ref <= 0:
+            raise ValueError("unlock(): the node is not locked")
+        leaf = node
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node)
+                self._evictable += len(node)
+            node = node.parent  # type: ignore[assignment]
+        if leaf.lock_ref == 0 and not leaf.children:
+            self._push(leaf)
+
+    # --- eviction ---------------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        """Remove unlocked leaves, least recently used first, until `num_tokens` are freed or
+        nothing is evictable; a parent left an unlocked leaf becomes a candidate with its own
+        last use. Returns the tokens freed."""
+        freed, slots = 0, []
+        while freed < num_tokens and self._heap:
+            _, seq, node = heapq.heappop(self._heap)
+            if node.heap_seq != seq:
+                continue
+            node.heap_seq = -1
+            if node.parent is None or node.children or node.lock_ref:
+                continue
+            freed += len(node)
+            parent = node.parent
+            self._remove_leaf(node, slots)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                self._push(parent)
+        if slots and self.allocator is not None:
+            self.allocator.free(np.concatenate(slots))
+        return freed
+
+    def _remove_leaf(self, node: TreeNode, slots: list[np.ndarray]) -> None:
+        """Detach an unlocked leaf; its slots go to `slots` for the caller to free."""
+        assert not node.children and node.lock_ref == 0, "only unlocked leaves are removed"
+        del node.parent.children[self._child_key(node)]  # type: ignore[union-attr]
+        self._evictable -= len(node)
+        self._num_nodes -= 1
+        if node.value is not None:
+            slots.append(node.value)
+        if node.hashes:
+            self._report_removed(node.hashes)
+        node.parent = None
+        node.value = None
+
+    def _push(self, node: TreeNode) -> None:
+        self._seq += 1
+        node.heap_seq = self._seq
+        heapq.heappush(self._heap, (node.last_access, self._seq, node))
+        if len(self._heap) > 2 * self._num_nodes + 1024:
+            self._compact_heap()
+
+    def _compact_heap(self) -> None:
+        """Drop stale heap entries (amortised: runs after more pushes than there are nodes)."""
+        self._heap = [e for e in self._heap if e[2].heap_seq == e[1]]
+        heapq.heapify(self._heap)
+
+    # --- events, reset, integrity -------------------------------------------------------------
+
+    def _report_stored(self, hashes: list[int], before: int | None) -> None:
+        """Report the blocks of a new node that no other node already holds."""
+        refs = self._block_refs
+        if refs is None:
+            self._events.append(BlockStored(list(hashes), before))
+            return
+        run: list[int] = []
+        for h in hashes:
+            refs[h] = refs.get(h, 0) + 1
+            if refs[h] == 1:
+                run.append(h)
+            elif run:
+                self._events.append(BlockStored(run, before))
+                run = []
+            before = h if not run else before
+        if run:
+            self._events.append(BlockStored(run, before))
+
+    def _report_removed(self, hashes: list[int]) -> None:
+        """Report the blocks of a removed node that no other node still holds."""
+        refs = self._block_refs
+        if refs is None:
+            self._events.append(BlockRemoved(list(hashes)))
+            return
+        gone = []
+        for h in hashes:
+            refs[h] -= 1
+            if refs[h] == 0:
+                del refs[h]
+                gone.append(h)
+        if gone:
+            self._events.append(BlockRemoved(gone))
+
+    def take_events(self) -> list[KVEvent]:
+        """KV events since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[KVEvent]:
+        """`AllCleared` then one `BlockStored` per node holding full blocks, parents first."""
+        events: list[KVEvent] = [AllCleared()]
+        stack: list[tuple[TreeNode, int | None]] = [(self.root, None)]
+        seen: set[int] = set()  # a block two siblings hold is reported once
+        while stack:
+            node, before = stack.pop()
+            fresh = [h for h in node.hashes if h not in seen]
+            if fresh:
+                seen.update(fresh)
+                events.append(BlockStored(fresh, fresh_parent(node.hashes, fresh, before)))
+            last = node.hashes[-1] if node.hashes else before
+            stack.extend((child, last) for child in node.children.values())
+        return events
+
+    def reset(self) -> None:
+        """Free every slot of the tree and report one `AllCleared`. Refused while locked."""
+        if self._protected:
+            raise ValueError("reset(): some path is locked")
+        slots = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if node.value is not None:
+                slots.append(node.value)
+            node.parent = None
+            node.value = None
+        if slots and self.allocator is not None:
+            self.allocator.free(np.concatenate(slots))
+        self._new_tree()
+        self._events.append(AllCleared())
+
+    def check_integrity(self) -> None:
+        """Raise `AssertionError` naming the first violated invariant (see radix_integrity)."""
+        check_tree(self)

@@ -1,0 +1,101 @@
+"""A node of the radix tree, and the token-key helpers the tree uses.
+
+A node holds one edge of the tree: `key`, the token ids of that edge as int64 bytes (8 bytes a
+token, one object per node rather than one per token), and `value`, their slot ids as an int64
+numpy array that the node owns (a copy, never a view). `start` is how many tokens precede the
+edge on its path from the root; `hashes` are the block hashes of the blocks that END inside the
+edge (block `j` ends at token `(j + 1) * block_size`), so splitting a node splits that list and
+a block is reported exactly once, by the node where it ends. `hash_state` is the running block
+hash state after the edge (see `events.extend_block_hashes`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+TOKEN_BYTES = 8
+
+
+class TreeNode:
+    """One edge of the radix tree. Fields are public to the cache and its integrity checker."""
+
+    __slots__ = (
+        "parent",
+        "children",
+        "key",
+        "value",
+        "namespace",
+        "start",
+        "hashes",
+        "hash_state",
+        "lock_ref",
+        "last_access",
+        "heap_seq",
+        "host_value",
+        "host_ref",
+        "hits",
+    )
+
+    def __init__(
+        self,
+        parent: TreeNode | None,
+        key: bytes,
+        value: np.ndarray | None,
+        namespace: str | None,
+        start: int,
+        hashes: list[int],
+        hash_state: int,
+        last_access: int,
+    ) -> None:
+        self.parent = parent
+        self.children: dict[object, TreeNode] = {}
+        self.key = key
+        self.value = value
+        self.namespace = namespace
+        self.start = start
+        self.hashes = hashes
+        self.hash_state = hash_state
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.heap_seq = -1  # sequence number of this node's live eviction-heap entry, -1 if none
+        self.host_value: np.ndarray | None = None  # slot ids in the host tier (issue 8)
+        self.host_ref = 0  # in-flight host copies that pin this node
+        self.hits = 0  # uses, for the write-through-selective policy
+
+    def __len__(self) -> int:
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def end(self) -> int:
+        """Tokens on the path from the root to the end of this node."""
+        return self.start + len(self.key) // TOKEN_BYTES
+
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(self.key, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(start={self.start}, len={len(self)}, lock={self.lock_ref})"
+
+
+def make_root() -> TreeNode:
+    """The root: an empty edge, never counted, locked or evicted."""
+    return TreeNode(None, b"", None, None, 0, [], 0, 0)
+
+
+def as_tokens(tokens: object) -> np.ndarray:
+    """Token ids (list, tuple, numpy array or tensor) as a 1-D int64 numpy array."""
+    if isinstance(tokens, np.ndarray):
+        return tokens.astype(np.int64, copy=False).reshape(-1)
+    if isinstance(tokens, torch.Tensor):
+        return tokens.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))  # type: ignore[arg-type]
+
+
+def common_prefix_tokens(a: bytes, b: bytes) -> int:
+    """How many leading int64 tokens two keys share."""
+    n = min(len(a), len(b)) // TOKEN_BYTES
+    x = np.frombuffer(a, dtype=np.int64, count=n)
+    y = np.frombuffer(b, dtype=np.int64, count=n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if len(diff) else n
