@@ -1,0 +1,300 @@
+"""`Engine`: one worker's model, KV pool, radix cache, sessions and scheduler, stepped by a loop.
+
+`add_request` queues a request (ValueError if it is bad); each `step()` runs one scheduler step
+through the model and returns a `TokenChunk` for every request that got tokens or finished.
+Single-threaded: the caller (the actor's engine thread) serializes all calls.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mem_cache.allocator import KVAllocator
+from mem_cache.kv_pool import KVPool, ReqToTokenPool
+from mem_cache.radix_cache import RadixCache
+from worker.attention import AttentionBatch
+from worker.kv_events import EventLog
+from worker.kv_memory import KVMemory
+from worker.models import load_model
+from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
+from worker.request import Request, Status
+from worker.sampling import sample, stop_ids
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from worker.sessions import SessionTable
+from worker.validate import validate_request
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"  # built-in name or HF model directory
+    device: str = "cpu"
+    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: the checkpoint's
+    attention: str = "torch"  # "torch" | "triton" | "flashinfer"
+    kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
+    page_size: int = 1
+    block_size: int = 16  # tokens per block hash (KV events), as the router uses
+    max_running: int = 64
+    prefill_budget: int = 512  # tokens per step, decodes included (chunked prefill)
+    max_context: int | None = None  # None: the model's
+    enable_cache: bool = True  # radix prefix cache on/off
+    session_ttl_s: float = 600.0  # default for requests that do not set session_ttl_s
+    host_kv_tokens: int = 0  # host KV tier slots (0: off)
+    host_policy: str = "write_through"
+    aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
+    seed: int | None = None  # seed of the shared generator used by unseeded sampling
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, worker_id: str = "worker-0") -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
+        self.model = load_model(config.model, self.device, dtype, config.attention)
+        mc = self.model.config
+        self.max_context = min(config.max_context or mc.max_context, mc.max_context)
+        self.eos_token_ids = list(mc.eos_token_ids)
+        self.kv_pool = KVPool(1, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
+        kv_tokens = config.kv_tokens or _default_kv_tokens(
+            config, self.kv_pool.bytes_per_slot(), self.max_context
+        )
+        kv_tokens = kv_tokens // config.page_size * config.page_size
+        self.kv_pool = KVPool(
+            kv_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, self.device
+        )
+        allocator = KVAllocator(kv_tokens, config.page_size)
+        radix = (
+            RadixCache(allocator, config.page_size, config.block_size)
+            if config.enable_cache
+            else None
+        )
+        rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
+        self.sessions = SessionTable()
+        self.memory = KVMemory(allocator, radix, rows, self.sessions)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_running, config.prefill_budget, config.aging_steps),
+            self.memory,
+        )
+        self.events = EventLog(worker_id)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(
+            config.seed if config.seed is not None else torch.seed() & 0xFFFFFFFF
+        )
+        self._requests: dict[str, Request] = {}
+        self._pending: list[TokenChunk] = []  # abort chunks for the next step()
+        self._prefill_tps = 0.0
+        self._decode_step_s = 0.0
+        self.num_steps = 0
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request. ValueError (nothing kept) when it is malformed or cannot fit."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        validate_request(
+            request,
+            self.model.config.vocab_size,
+            self.max_context,
+            self.memory.allocator.size,
+            self.config.page_size,
+        )
+        req = Request.from_protocol(request, self.device)
+        self._requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request at any stage; its last chunk (finish_reason "abort") comes with the
+        next step(). Unknown or finished ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._finish(req, "abort")
+            self._pending.append(self._chunk(req))
+
+    def has_work(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    def close_session(self, session_id: str) -> bool:
+        """Release a parked session's KV; False when there is none."""
+        parked = self.sessions.pop(session_id)
+        if parked is None:
+            return False
+        self.memory.drop_session(parked)
+        return True
+
+    # --- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenChunk]:
+        chunks, self._pending = self._pending, []
+        for sid in self.sessions.expired():
+            self.close_session(sid)
+        batch = self.scheduler.schedule()
+        if batch:
+            chunks.extend(self._run(batch))
+        self.take_event_batch()
+        self.num_steps += 1
+        if not self.has_work():
+            self.check_integrity()
+        return chunks
+
+    def _run(self, batch: ScheduledBatch) -> list[TokenChunk]:
+        started = time.perf_counter()
+        logits, sampled = self._forward(batch)
+        prefill = 0
+        for req, n in zip(batch.requests, batch.num_new, strict=True):
+            req.num_computed += n
+            if n > 1:
+                prefill += n
+                self.memory.cache(req)  # finished chunks become shareable at once
+        chunks = self._sample(logits, sampled) if sampled else []
+        self._measure(time.perf_counter() - started, prefill)
+        return chunks
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots, kv_slots, kv_lens, logits_at, sampled = [], [], [], [], []
+        table = self.memory.rows.req_to_token
+        for req, n in zip(batch.requests, batch.num_new, strict=True):
+            start, end = req.num_computed, req.num_computed + n
+            row = table[req.row]
+            ids.extend(req.tokens[start:end])
+            positions.extend(range(start, end))
+            slots.append(row[start:end])
+            kv_slots.append(row[:end])
+            kv_lens.append(end)
+            if end == len(req.tokens):
+                logits_at.append(len(ids) - 1)
+                sampled.append(req)
+        attn = AttentionBatch(list(batch.num_new), kv_lens, torch.cat(slots), kv_slots)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            attn,
+            self.kv_pool,
+            torch.tensor(logits_at, dtype=torch.int64, device=dev),
+        )
+        return logits, sampled
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> list[TokenChunk]:
+        result = sample(logits, sampled, self.eos_token_ids, self.generator)
+        chunks = []
+        for i, req in enumerate(sampled):
+            token = result.token_ids[i]
+            req.tokens.append(token)
+            if result.logprobs[i] is not None:
+                req.logprobs.append(result.logprobs[i])
+                req.top_logprobs.append(result.top_logprobs[i])
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            chunks.append(self._chunk(req))
+        return chunks
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in stop_ids(req, self.eos_token_ids):  # banned below min_tokens
+            return "stop"
+        if req.num_output >= req.sampling.max_tokens or len(req.tokens) >= self.max_context:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """A request ends: a session turn parks its KV, anything else releases it."""
+        req.finish_reason = reason
+        if req.status is Status.RUNNING and req.session_id is not None and reason != "abort":
+            self.memory.park(req, req.session_ttl_s or self.config.session_ttl_s)
+        else:
+            self.memory.release(req)
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        del self._requests[req.request_id]
+
+    def _chunk(self, req: Request) -> TokenChunk:
+        new = req.new_output()
+        start = req.num_streamed
+        req.num_streamed += len(new)
+        want = req.sampling.logprobs is not None
+        return TokenChunk(
+            request_id=req.request_id,
+            token_ids=new,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.num_input,
+            cached_tokens=req.cached_tokens or 0,
+            logprobs=req.logprobs[start : start + len(new)] if want else None,
+            top_logprobs=req.top_logprobs[start : start + len(new)] if want else None,
+        )
+
+    def _measure(self, seconds: float, prefill_tokens: int) -> None:
+        """Exponential moving averages of prefill speed and decode step time."""
+        if prefill_tokens:
+            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(seconds, 1e-9))
+        else:
+            self._decode_step_s = _ema(self._decode_step_s, seconds)
+
+    # --- events, stats, integrity ---------------------------------------------------------------
+
+    def take_event_batch(self) -> bytes | None:
+        """The cache's KV events since the last call as one numbered batch (None if none)."""
+        radix = self.memory.radix
+        return self.events.append(radix.take_events()) if radix is not None else None
+
+    def snapshot_batch(self) -> bytes:
+        """AllCleared + every cached block, numbered like the latest batch (pending events are
+        drained into a batch first, so the snapshot reflects every batch up to its seq)."""
+        self.take_event_batch()
+        radix = self.memory.radix
+        return self.events.snapshot(radix.snapshot_events() if radix is not None else [])
+
+    def events_since(self, epoch: int, after_seq: int) -> list[bytes]:
+        """Batches of `epoch` with seq > after_seq, or [snapshot] when they are not buffered."""
+        self.take_event_batch()
+        batches = self.events.since(epoch, after_seq)
+        return [self.snapshot_batch()] if batches is None else batches
+
+    def stats(self) -> WorkerStats:
+        radix = self.memory.radix
+        return WorkerStats(
+            worker_id=self.worker_id,
+            kv_total=self.memory.allocator.size,
+            kv_free=self.memory.allocator.available_size(),
+            kv_evictable=radix.evictable_size() if radix else 0,
+            kv_protected=radix.protected_size() if radix else 0,
+            kv_session=self.sessions.owned_tokens(),
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            waiting_prefill_tokens=self.scheduler.waiting_prefill_tokens(),
+            running_decode_tokens=self.scheduler.running_decode_tokens(),
+            prefill_tokens_per_s=self._prefill_tps,
+            decode_step_s=self._decode_step_s,
+            sessions=len(self.sessions),
+            page_size=self.config.page_size,
+            block_size=self.config.block_size,
+            max_context=self.max_context,
+            model=self.model.config.name,
+        )
+
+    def check_integrity(self) -> None:
+        """Slot conservation and the cache's invariants; AssertionError names the first broken."""
+        self.memory.check(self.scheduler.running)
+        for req in self.scheduler.waiting:
+            assert req.row is None and req.alloc_len == 0, f"{req.request_id}: waiting with KV"
+
+
+def _ema(old: float, new: float, weight: float = 0.2) -> float:
+    return new if old == 0.0 else (1 - weight) * old + weight * new
+
+
+def _default_kv_tokens(config: EngineConfig, bytes_per_slot: int, max_context: int) -> int:
+    """GPU: 85% of free device memory. CPU: 20% of available RAM, at most what max_running
+    full-context requests need."""
+    if config.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        return int(free * 0.85) // bytes_per_slot
+    import os
+
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(int(avail * 0.2) // bytes_per_slot, config.max_running * max_context)

@@ -1,0 +1,261 @@
+"""Every change of KV ownership on a worker, one method per kind, each asserting what it assumes.
+
+A slot has exactly one owner at any time (DESIGN.md invariant 2): the allocator's free list,
+the radix tree, a running request's tail, or a parked session. Regions of a running request's
+row (see `worker.request`):
+
+    [0, prefix_len)            tree (locked through req.node)
+    [prefix_len, alloc_len)    the request's tail: pages it allocated, or session pages it took
+    [alloc_len, ...)           nothing
+
+`check()` verifies conservation: free + tree + request tails + session-owned == size.
+With `radix=None` (cache disabled) nothing is ever matched or inserted: every slot a request
+used goes back to the free list when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mem_cache.allocator import KVAllocator
+from mem_cache.kv_pool import ReqToTokenPool
+from mem_cache.radix_cache import RadixCache
+from worker.request import Request
+from worker.sessions import ParkedSession, SessionTable
+
+
+class KVMemory:
+    """The allocator, the radix cache, the request rows and the parked sessions of one engine."""
+
+    def __init__(
+        self,
+        allocator: KVAllocator,
+        radix: RadixCache | None,
+        rows: ReqToTokenPool,
+        sessions: SessionTable,
+    ) -> None:
+        self.allocator = allocator
+        self.radix = radix
+        self.rows = rows
+        self.sessions = sessions
+        self.page_size = allocator.page_size
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def admit(self, req: Request) -> bool:
+        """Give a waiting request a row and its cached prefix (session KV or a radix match).
+
+        A full hit still leaves the last token to compute: the match covers at most
+        `len(tokens) - 1`. Returns False (nothing taken) when no row is free.
+        """
+        assert req.row is None and req.node is None and req.alloc_len == 0, "admit twice"
+        row = self.rows.alloc()
+        if row is None:
+            return False
+        req.row = row
+        parked = self.sessions.pop(req.session_id) if req.session_id else None
+        if parked is not None and parked.namespace == req.namespace:
+            self._restore(req, parked)
+        else:
+            if parked is not None:
+                self.drop_session(parked)
+            self._match(req)
+        if req.cached_tokens is None:
+            req.cached_tokens = req.num_computed
+        return True
+
+    def _match(self, req: Request) -> None:
+        if self.radix is None:
+            return
+        m = self.radix.match_prefix(req.tokens[: len(req.tokens) - 1], req.namespace)
+        assert m.length % self.page_size == 0 and m.length < len(req.tokens)
+        self.rows.req_to_token[req.row, : m.length] = m.indices.to(self.rows.req_to_token.device)
+        self.radix.lock(m.node)
+        req.node = m.node
+        req.prefix_len = req.alloc_len = req.num_computed = m.length
+
+    def alloc(self, req: Request, upto: int) -> bool:
+        """Grow the request's tail so that tokens[:upto] have slots (whole pages), evicting
+        unlocked cache leaves if needed. Returns False, taking nothing, when there is no room."""
+        assert req.row is not None and upto <= self.rows.max_context
+        need = -(-upto // self.page_size) * self.page_size - req.alloc_len
+        if need <= 0:
+            return True
+        slots = self.allocator.alloc(need)
+        if slots is None:
+            self.evict(need - self.allocator.available_size())
+            slots = self.allocator.alloc(need)
+        if slots is None:
+            return False
+        row = self.rows.req_to_token[req.row]
+        row[req.alloc_len : req.alloc_len + need] = slots.to(row.device)
+        req.alloc_len += need
+        return True
+
+    def cache(self, req: Request) -> None:
+        """Hand the page-aligned computed prefix of a running request to the tree, so that other
+        requests can share it (finished chunks, a finished prompt). Duplicates are freed and the
+        row then points at the tree's copy; the lock moves down to the new end."""
+        if self.radix is None or req.row is None:
+            return
+        row = self.rows.req_to_token[req.row]
+        aligned = req.num_computed // self.page_size * self.page_size
+        if aligned <= req.prefix_len:
+            return
+        self._insert(req.tokens[:aligned], row[:aligned], req.prefix_len, req.namespace)
+        m = self.radix.match_prefix(req.tokens[:aligned], req.namespace)
+        assert m.length == aligned, "inserted tokens not found again"
+        row[:aligned] = m.indices.to(row.device)
+        self.radix.lock(m.node)
+        self.radix.unlock(req.node)
+        req.node = m.node
+        req.prefix_len = aligned
+
+    def release(self, req: Request) -> None:
+        """A request ends (finish, abort) or is retracted: its computed prefix goes to the tree
+        (when caching), its tail [prefix_len, alloc_len) to the free list, its lock and row go.
+
+        KV regions freed here: tail pages past the cached prefix, including the partial last
+        page and slots allocated for tokens never computed."""
+        if req.row is None:
+            return
+        self.cache(req)
+        row = self.rows.req_to_token[req.row]
+        self._free(row[req.prefix_len : req.alloc_len])
+        if self.radix is not None:
+            self.radix.unlock(req.node)
+        self.rows.free(req.row)
+        req.row, req.node = None, None
+        req.prefix_len = req.alloc_len = req.num_computed = 0
+
+    # --- sessions ----------------------------------------------------------------------------
+
+    def park(self, req: Request, ttl_s: float) -> None:
+        """A session turn ends: its KV moves from the request to the session, as is (the lock
+        on the tree prefix and the tail pages), so the next turn can continue from it."""
+        assert req.session_id is not None and req.row is not None
+        old = self.sessions.pop(req.session_id)
+        if old is not None:
+            self.drop_session(old)
+        row = self.rows.req_to_token[req.row]
+        self.sessions.put(
+            ParkedSession(
+                session_id=req.session_id,
+                namespace=req.namespace,
+                tokens=req.tokens[: req.num_computed],
+                slots=row[: req.alloc_len].clone(),
+                prefix_len=req.prefix_len,
+                node=req.node,
+                ttl_s=ttl_s,
+                expires_at=time.monotonic() + ttl_s,
+            )
+        )
+        self.rows.free(req.row)
+        req.row, req.node = None, None
+        req.prefix_len = req.alloc_len = req.num_computed = 0
+
+    def _restore(self, req: Request, parked: ParkedSession) -> None:
+        """The next turn takes over the parked KV it shares with its prompt (page-aligned, at
+        most len(tokens) - 1); the orphaned session pages past that point are freed. When the
+        shared part ends inside the tree prefix, the session is dropped and the radix match
+        takes over."""
+        common = _common_prefix(parked.tokens, req.tokens[: len(req.tokens) - 1])
+        reuse = common // self.page_size * self.page_size
+        if reuse < parked.prefix_len or (self.radix is None and reuse == 0):
+            self.drop_session(parked)
+            self._match(req)
+            return
+        row = self.rows.req_to_token[req.row]
+        row[:reuse] = parked.slots[:reuse].to(row.device)
+        # KV regions freed here: session-owned pages [reuse, alloc_len) the new prompt no
+        # longer shares (the orphaned tail); [prefix_len, reuse) becomes the request's tail.
+        self._free(parked.slots[reuse:])
+        req.node = parked.node
+        req.prefix_len = parked.prefix_len
+        req.alloc_len = req.num_computed = reuse
+
+    def drop_session(self, parked: ParkedSession) -> None:
+        """Release a session's KV (close, TTL, pressure, a turn that diverged): its computed
+        pages go to the tree when caching, the rest to the free list, and its lock goes.
+
+        KV regions freed here: session-owned [prefix_len, alloc_len) minus what the tree
+        takes; the tree prefix [0, prefix_len) only loses its lock."""
+        assert parked.session_id not in self.sessions, "drop a session still in the table"
+        prefix_len = parked.prefix_len
+        if self.radix is not None:
+            aligned = len(parked.tokens) // self.page_size * self.page_size
+            if aligned > prefix_len:
+                self._insert(
+                    parked.tokens[:aligned], parked.slots[:aligned], prefix_len, parked.namespace
+                )
+                prefix_len = aligned
+            self.radix.unlock(parked.node)
+        self._free(parked.slots[prefix_len:])
+
+    def drop_oldest_session(self) -> bool:
+        sid = self.sessions.oldest()
+        if sid is None:
+            return False
+        self.drop_session(self.sessions.pop(sid))
+        return True
+
+    # --- tree and free list ------------------------------------------------------------------
+
+    def _insert(
+        self, tokens: list[int], slots: torch.Tensor, owned_from: int, namespace: str | None
+    ) -> None:
+        """Insert tokens[:n] (n page-aligned) whose slots [owned_from, n) the caller owns; the
+        tree keeps the new ones and the caller's duplicates of already-cached tokens are freed."""
+        n = len(tokens)
+        assert n % self.page_size == 0 and slots.numel() >= n
+        already = self.radix.insert(tokens, slots[:n], namespace)
+        assert already >= owned_from, "the caller's tree prefix vanished while it was locked"
+        # KV regions freed here: the caller's own copies [owned_from, already) of tokens that
+        # someone else cached meanwhile; the tree now owns [already, n).
+        self._free(slots[owned_from:already])
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` from unlocked cache leaves (LRU) if possible."""
+        if self.radix is None or num_tokens <= 0:
+            return 0
+        return self.radix.evict(num_tokens)
+
+    def _free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        assert slots.numel() % self.page_size == 0, "free of a partial page"
+        self.allocator.free(slots.to("cpu") if slots.device.type != "cpu" else slots)
+
+    # --- accounting --------------------------------------------------------------------------
+
+    def check(self, running: list[Request]) -> None:
+        """Slot conservation and per-request region invariants; raises AssertionError."""
+        p = self.page_size
+        tails = 0
+        for req in running:
+            assert req.row is not None, f"{req.request_id}: running without a row"
+            assert req.prefix_len % p == 0 and req.alloc_len % p == 0, "unaligned region"
+            assert req.prefix_len <= req.num_computed <= req.alloc_len, "regions out of order"
+            tails += req.tail_len
+        for parked in self.sessions.values():
+            assert parked.prefix_len % p == 0 and parked.alloc_len % p == 0
+            assert parked.prefix_len <= parked.alloc_len
+        tree = self.radix.total_size() if self.radix else 0
+        if self.radix is not None:
+            self.radix.check_integrity()
+        owned = self.sessions.owned_tokens()
+        free = self.allocator.available_size()
+        assert free + tree + tails + owned == self.allocator.size, (
+            f"slot conservation: free {free} + tree {tree} + request tails {tails} + "
+            f"sessions {owned} != {self.allocator.size}"
+        )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
