@@ -1,0 +1,241 @@
+"""RoutingCore: the prefix index, a policy, the session pins and the booked load, in one object.
+
+The live router (`router/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
+they route identically. The clock is injected: the simulator passes its simulated time.
+
+The life of one request:
+    route(request_id, hashes, ...) -> Decision    books its load on the chosen worker, records
+                                                  optimistic index entries, renews its session
+    ... the worker serves it; its KV events reach apply_events(batch) ...
+    finish(request_id, cached_tokens)             releases the booking
+A failed request may be routed again under the same id (with the dead worker in `exclude`):
+the old booking is released first.
+
+Not thread-safe: one owner (an asyncio loop, the simulator) calls it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+
+from mem_cache.events import decode_batch
+from router.load import Booking, LoadLedger
+from router.policies import (
+    DEFAULT_POLICY,
+    Decision,
+    Policy,
+    PolicyConfig,
+    RouteRequest,
+    WorkerView,
+    make_policy,
+)
+from router.prefix_index import IndexConfig, PrefixIndex
+from router.sessions import SessionConfig, SessionTable
+from worker.protocol import WorkerStats
+
+
+@dataclass
+class CoreConfig:
+    """Routing configuration; `block_size` must match the workers' (16 by default)."""
+
+    policy: str = DEFAULT_POLICY
+    block_size: int = 16
+    index: IndexConfig = field(default_factory=IndexConfig)
+    policies: PolicyConfig = field(default_factory=PolicyConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+
+
+class NoWorkerError(RuntimeError):
+    """No worker can take the request (none registered, all draining or excluded)."""
+
+
+class RoutingCore:
+    """Routes requests to workers; see the module docstring for the call sequence."""
+
+    def __init__(
+        self,
+        config: CoreConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        policy: Policy | None = None,
+    ) -> None:
+        self.config = config or CoreConfig()
+        self.clock = clock
+        self.policy = policy or make_policy(self.config.policy, self.config.policies)
+        self.cost_model = self.policy.cost_model
+        self.index = PrefixIndex(self.config.index, clock)
+        self.sessions = SessionTable(self.config.sessions, clock)
+        self.ledger = LoadLedger()
+        self._views: dict[str, WorkerView] = {}  # in order of joining
+
+    # --- workers ---------------------------------------------------------------------------
+
+    def add_worker(self, worker_id: str, stats: WorkerStats | None = None) -> None:
+        """Register a worker (idempotent). Its index fills from a snapshot batch: fetch one
+        from the worker and pass it to `apply_events` (`event_cursor` is None until then)."""
+        if worker_id not in self._views:
+            self._views[worker_id] = WorkerView(worker_id)
+            self.index.add_worker(worker_id)
+        if stats is not None:
+            self._views[worker_id].stats = stats
+
+    def remove_worker(self, worker_id: str) -> list[str]:
+        """Forget a worker: its index entries, bookings and session pins. Returns the ids of the
+        requests that were booked on it (to fail over). Unknown ids return []."""
+        if self._views.pop(worker_id, None) is None:
+            return []
+        self.index.remove_worker(worker_id)
+        self.sessions.drop_worker(worker_id)
+        return [b.request_id for b in self.ledger.drop_worker(worker_id)]
+
+    def set_draining(self, worker_id: str, draining: bool = True) -> None:
+        """A draining worker gets no new requests (sessions pinned to it move); unknown: no-op."""
+        view = self._views.get(worker_id)
+        if view is not None:
+            view.draining = draining
+
+    def update_stats(self, stats: WorkerStats) -> None:
+        """Latest stats of a registered worker; stats of unknown workers are ignored."""
+        view = self._views.get(stats.worker_id)
+        if view is not None:
+            view.stats = stats
+
+    def workers(self) -> list[WorkerView]:
+        """A copy of every worker's view with its current booked load (match fields zero)."""
+        now = self.clock()
+        return [
+            replace(self._fill_load(v, now), matched_blocks=0, host_blocks=0)
+            for v in self._views.values()
+        ]
+
+    # --- events ----------------------------------------------------------------------------
+
+    def apply_events(self, batch: bytes) -> bool:
+        """Apply one encoded event batch (`mem_cache.events.encode_batch`).
+
+        Returns False when events were missed (a gap in `seq`, a new epoch, or no snapshot yet):
+        nothing is applied; the caller fetches a snapshot (`kv_events` from `event_cursor`) and
+        passes it here. Raises `ValueError` on malformed bytes.
+        """
+        return self.index.apply_batch(decode_batch(batch))
+
+    def event_cursor(self, worker_id: str) -> tuple[int, int] | None:
+        """(epoch, seq) of the worker's last applied batch; None until a snapshot arrived."""
+        return self.index.cursor(worker_id)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def route(
+        self,
+        request_id: str,
+        hashes: Sequence[int],
+        num_tokens: int,
+        expected_output: int,
+        session_id: str | None = None,
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """Choose a worker for a request and book it there; `NoWorkerError` if none can take it.
+
+        `hashes` are the prompt's block hashes (kept by reference until `finish`: do not mutate);
+        `expected_output` is the router's guess of output tokens (e.g. max_tokens, capped).
+        """
+        now = self.clock()
+        self.index.expire()
+        self.ledger.release(request_id, now)
+        candidates = [
+            v for v in self._views.values() if not v.draining and v.worker_id not in exclude
+        ]
+        if not candidates:
+            raise NoWorkerError("no worker available")
+        match = self.index.match(hashes)
+        for view in candidates:
+            view.matched_blocks = match.device.get(view.worker_id, 0)
+            view.host_blocks = match.host.get(view.worker_id, 0)
+            self._fill_load(view, now)
+        request = RouteRequest(
+            request_id, num_tokens, len(hashes), expected_output, self.config.block_size, session_id
+        )
+        decision = self.policy.choose(request, candidates)
+        if session_id is not None:
+            decision = self._follow_pin(request, session_id, decision, candidates)
+        view = self._views[decision.worker_id]
+        decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
+        self.ledger.book(self._booking(request, view, decision, hashes), now)
+        self.index.record_route(decision.worker_id, hashes)
+        if session_id is not None:
+            self.sessions.pin(session_id, decision.worker_id)
+        return decision
+
+    def finish(self, request_id: str, cached_tokens: int | None = None) -> Booking | None:
+        """Release a request's booking (done, aborted or failed); unknown ids return None.
+
+        `cached_tokens` (the worker's real prefix hit) is recorded on the returned booking so
+        the caller can compare it with the prediction. The request's unconfirmed index entries
+        get a fresh TTL: workers report a request's blocks when it ends.
+        """
+        booking = self.ledger.release(request_id, self.clock())
+        if booking is None:
+            return None
+        booking.actual_cached_tokens = cached_tokens
+        self.index.refresh_pending(booking.worker_id, booking.hashes)
+        return booking
+
+    def close_session(self, session_id: str) -> bool:
+        """Forget a session pin; True if it existed. (The worker's KV is the caller's job.)"""
+        return self.sessions.close(session_id)
+
+    def index_blocks(self) -> int:
+        """Entries in the prefix index (for the radixray_index_blocks gauge)."""
+        return len(self.index)
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _fill_load(self, view: WorkerView, now: float) -> WorkerView:
+        load = self.ledger.load(view.worker_id, now)
+        view.requests = load.requests
+        view.prefill_tokens = load.prefill_tokens
+        view.decode_tokens = load.decode_tokens
+        view.active_tokens = load.active_tokens
+        view.queue_s = max(0.0, load.busy_until - now)
+        view.cached_blocks = self.index.num_blocks(view.worker_id)
+        return view
+
+    def _follow_pin(
+        self,
+        request: RouteRequest,
+        session_id: str,
+        decision: Decision,
+        candidates: list[WorkerView],
+    ) -> Decision:
+        """Keep the session on its worker unless that one is gone, draining, excluded, or far
+        costlier than the policy's choice."""
+        pinned_id = self.sessions.get(session_id)
+        if pinned_id is None:
+            return decision
+        pinned = next((v for v in candidates if v.worker_id == pinned_id), None)
+        if pinned is None:
+            return decision
+        if pinned_id != decision.worker_id:
+            best = self._views[decision.worker_id]
+            model = self.cost_model
+            if self.sessions.should_yield(
+                model.ttft_s(request, pinned), model.ttft_s(request, best)
+            ):
+                return decision
+        return Decision(pinned_id, "session")
+
+    def _booking(
+        self, request: RouteRequest, view: WorkerView, decision: Decision, hashes: Sequence[int]
+    ) -> Booking:
+        return Booking(
+            request_id=request.request_id,
+            worker_id=view.worker_id,
+            prefill_tokens=request.num_tokens - decision.cached_tokens - decision.host_tokens,
+            decode_tokens=request.expected_output,
+            active_tokens=request.num_tokens + request.expected_output,
+            prefill_s=self.cost_model.prefill_s(request, view),
+            prefill_done_at=0.0,
+            hashes=hashes,
+            cached_tokens=decision.cached_tokens,
+        )

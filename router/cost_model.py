@@ -1,0 +1,99 @@
+"""Predicted time to first token of a request on a worker, from the worker's measured speeds.
+
+The model of one engine (continuous batching with chunked prefill): each step computes up to
+`prefill_budget` prompt tokens and, alongside, one token of every running request. A request's
+first token therefore comes after the prefill queued ahead of it and its own uncached prefill,
+both slowed by the decode work that rides along every chunk:
+
+    effective_speed = speed / (1 + decode_step_s * speed / prefill_budget)   (while decoding)
+    ttft = queue_s + (uncached / effective_speed) + (host_hit / host_load_speed) + decode_step_s
+
+The `cost` policy minimises `score_s` = ttft + compute_weight x own prefill time (see there).
+
+`speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
+once the worker has measured them; until then the priors below stand in (their step time grows
+with the running batch). `queue_s` is the larger of the router's booked queue (fresh, this
+router only) and the worker's reported waiting prefill (late, every router).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.policies import RouteRequest, WorkerView
+
+
+@dataclass
+class CostConfig:
+    """Priors used until a worker reports its own speeds, and the engine's step shape."""
+
+    prefill_tokens_per_s: float = 8000.0  # prompt tokens/s of one worker, prior
+    decode_step_s: float = 0.015  # time of one decode step with a small batch, prior
+    decode_step_per_request_s: float = 0.0002  # prior growth of the step time per running request
+    prefill_budget: int = 512  # prompt tokens per engine step (chunked prefill)
+    host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
+    compute_weight: float = 0.5  # `score_s`: seconds of score per second of prefill this adds
+
+
+class CostModel:
+    """Time estimates for `cost`, `e2`, booking and the sessions' soft pin."""
+
+    def __init__(self, config: CostConfig | None = None) -> None:
+        self.config = config or CostConfig()
+
+    def prefill_speed(self, view: WorkerView) -> float:
+        """Prompt tokens per second of the worker with no decode running alongside."""
+        stats = view.stats
+        if stats is not None and stats.prefill_tokens_per_s > 0:
+            return stats.prefill_tokens_per_s
+        return self.config.prefill_tokens_per_s
+
+    def step_s(self, view: WorkerView) -> float:
+        """Time of one decode step of the worker's running batch."""
+        stats = view.stats
+        if stats is not None and stats.decode_step_s > 0:
+            return stats.decode_step_s
+        return self.config.decode_step_s + self.config.decode_step_per_request_s * view.load
+
+    def effective_speed(self, view: WorkerView) -> float:
+        """Prompt tokens per second while the worker's running requests decode alongside."""
+        speed = self.prefill_speed(view)
+        if view.load == 0:
+            return speed
+        return speed / (1.0 + self.step_s(view) * speed / self.config.prefill_budget)
+
+    def cached_tokens(self, request: RouteRequest, view: WorkerView) -> tuple[int, int]:
+        """(device hit, host hit) in tokens; at least one prompt token is always computed."""
+        limit = max(0, request.num_tokens - 1)
+        device = min(view.matched_blocks * request.block_size, limit)
+        host = min(view.host_blocks * request.block_size, limit - device)
+        return device, host
+
+    def prefill_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Time of the request's own prefill on the worker, its cached prefix skipped."""
+        device, host = self.cached_tokens(request, view)
+        uncached = request.num_tokens - device - host
+        return uncached / self.effective_speed(view) + host / self.config.host_load_tokens_per_s
+
+    def queue_s(self, view: WorkerView) -> float:
+        """Time until the prefill queued ahead of a new request is done."""
+        stats = view.stats
+        reported = 0.0
+        if stats is not None and stats.waiting_prefill_tokens > 0:
+            reported = stats.waiting_prefill_tokens / self.effective_speed(view)
+        return max(view.queue_s, reported)
+
+    def ttft_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Predicted time to the request's first token on the worker."""
+        return self.queue_s(view) + self.prefill_s(request, view) + self.step_s(view)
+
+    def score_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """What `cost` minimises: TTFT plus `compute_weight` x the prefill work it adds.
+
+        TTFT alone is myopic: when two workers promise the same TTFT, recomputing a prefix
+        the other holds burns capacity that later requests wait for, and duplicates the prefix.
+        """
+        own = self.prefill_s(request, view)
+        return self.queue_s(view) + own + self.step_s(view) + self.config.compute_weight * own

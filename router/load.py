@@ -1,0 +1,121 @@
+"""Load booked at dispatch: what the router has sent each worker and not yet seen finish.
+
+Worker stats arrive late (a poll interval, an event delay), so a burst routed on stats alone
+piles onto the worker that looked idle. Each routed request therefore books, on its worker, its
+uncached prefill tokens, its expected decode tokens and its whole KV footprint, at once; `finish`
+releases them. Prefill work also ages out: the request's prefill is assumed done at the time the
+cost model predicted (`prefill_done_at`), because the engine starts decoding long before the
+request ends. `busy_until` is the worker's predicted prefill-queue drain time (FIFO).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Booking:
+    """One routed request's share of its worker's load."""
+
+    request_id: str
+    worker_id: str
+    prefill_tokens: int  # uncached prompt tokens the worker must compute
+    decode_tokens: int  # expected output tokens
+    active_tokens: int  # KV footprint: prompt + expected output
+    prefill_s: float  # predicted time of its own prefill
+    prefill_done_at: float  # predicted time its first token is out
+    hashes: Sequence[int] = ()  # its block hashes (index bookkeeping)
+    cached_tokens: int = 0  # prefix hit the index predicted
+    actual_cached_tokens: int | None = None  # prefix hit the worker reported, set by finish
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """Sums over the bookings of one worker."""
+
+    requests: int = 0
+    prefill_tokens: int = 0  # of bookings whose predicted prefill is still ahead
+    decode_tokens: int = 0
+    active_tokens: int = 0
+    busy_until: float = 0.0
+    prefill_ahead: list[tuple[float, int, Booking]] = field(default_factory=list)  # heap
+
+
+class LoadLedger:
+    """request id -> Booking, and per-worker sums. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self._bookings: dict[str, Booking] = {}
+        self._loads: dict[str, WorkerLoad] = {}
+        self._pushed = 0  # heap tie-breaker
+
+    def __len__(self) -> int:
+        return len(self._bookings)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._bookings
+
+    def get(self, request_id: str) -> Booking | None:
+        return self._bookings.get(request_id)
+
+    def load(self, worker_id: str, now: float) -> WorkerLoad:
+        """The worker's sums, with prefills predicted done by `now` aged out."""
+        load = self._loads.setdefault(worker_id, WorkerLoad())
+        ahead = load.prefill_ahead
+        while ahead and ahead[0][0] <= now:
+            _, _, booking = heapq.heappop(ahead)
+            if self._bookings.get(booking.request_id) is booking:
+                load.prefill_tokens -= booking.prefill_tokens
+        return load
+
+    def queue_s(self, worker_id: str, now: float) -> float:
+        """Predicted seconds until the worker's booked prefill queue drains."""
+        load = self._loads.get(worker_id)
+        return 0.0 if load is None else max(0.0, load.busy_until - now)
+
+    def book(self, booking: Booking, now: float) -> None:
+        """Add a request's load to its worker; its prefill queues behind the booked ones."""
+        if booking.request_id in self._bookings:
+            raise ValueError(f"request {booking.request_id!r} is already booked")
+        load = self.load(booking.worker_id, now)
+        load.busy_until = max(load.busy_until, now) + booking.prefill_s
+        booking.prefill_done_at = load.busy_until
+        load.requests += 1
+        load.decode_tokens += booking.decode_tokens
+        load.active_tokens += booking.active_tokens
+        if booking.prefill_done_at > now:
+            load.prefill_tokens += booking.prefill_tokens
+            self._pushed += 1
+            heapq.heappush(load.prefill_ahead, (booking.prefill_done_at, self._pushed, booking))
+        self._bookings[booking.request_id] = booking
+
+    def release(self, request_id: str, now: float) -> Booking | None:
+        """Remove a request's load (finished, aborted, or rerouted); unknown ids return None.
+
+        A request that ends before its predicted prefill end takes its own prefill time off the
+        worker's queue; the queue resets when the worker has nothing booked.
+        """
+        booking = self._bookings.get(request_id)
+        if booking is None:
+            return None
+        load = self.load(booking.worker_id, now)  # age out first: the sums must match the heap
+        del self._bookings[request_id]
+        load.requests -= 1
+        load.decode_tokens -= booking.decode_tokens
+        load.active_tokens -= booking.active_tokens
+        if booking.prefill_done_at > now:
+            load.prefill_tokens -= booking.prefill_tokens
+            load.busy_until -= min(booking.prefill_s, booking.prefill_done_at - now)
+        if load.requests == 0:
+            self._loads[booking.worker_id] = WorkerLoad()
+        return booking
+
+    def drop_worker(self, worker_id: str) -> list[Booking]:
+        """Release and return every booking on the worker (it died or was removed)."""
+        gone = [b for b in self._bookings.values() if b.worker_id == worker_id]
+        for booking in gone:
+            del self._bookings[booking.request_id]
+        self._loads.pop(worker_id, None)
+        return gone

@@ -1,0 +1,256 @@
+"""Routing policies: pick one worker for a request from a view of every eligible worker.
+
+Policies are plain objects over `WorkerView`s (prefix match, booked load, reported stats), so the
+live router and the simulator run the same code. `RoutingCore` fills the views, removes dead,
+draining and excluded workers, and handles session pins; a policy only chooses.
+
+- `round_robin`, `random` (seeded), `power_of_two` (two random workers, the less loaded),
+  `least_load`: cache-blind baselines.
+- `cache_aware`: the SGLang router's rule. If the load is imbalanced (max - min > 64 requests and
+  max > 1.5 x min) the least loaded worker; else the best match if its match rate > 0.3; else
+  the worker with the smallest cache.
+- `kv_cost`: NVIDIA Dynamo's KV router: minimise overlap_weight x prefill blocks (booked plus
+  this request's uncached ones) + active blocks (booked plus this request's).
+- `e2`: Preble's exploit/explore: if the best match covers more tokens than it leaves to compute,
+  exploit it; else explore: least load + eviction cost + own prefill time.
+- `cost` (default): the least predicted time to first token (`router.cost_model`), plus a
+  share of the prefill work the choice adds (recomputing a prefix costs capacity). A cached
+  prefix is worth exactly the prefill time it saves, so locality yields to load gradually,
+  never by a hard switch; booked load makes a burst spread as soon as queueing behind the
+  cached worker costs more than recomputing the prefix elsewhere.
+
+Every `Decision` carries a reason for metrics: cache_hit, load_balance (a better match existed
+elsewhere), least_load, smallest_cache, exploit, explore, round_robin, random, power_of_two,
+session (set by the core).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from router.cost_model import CostConfig, CostModel
+from worker.protocol import WorkerStats
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """What a policy sees of one worker for one request (filled by `RoutingCore`; read-only)."""
+
+    worker_id: str
+    stats: WorkerStats | None = None  # last reported, None until the first report
+    draining: bool = False
+    matched_blocks: int = 0  # leading blocks of the request on its device (index's belief)
+    host_blocks: int = 0  # further blocks found only on its host tier
+    cached_blocks: int = 0  # blocks the index holds for it in all: its cache's size
+    requests: int = 0  # routed here and not finished (booked)
+    prefill_tokens: int = 0  # booked uncached prompt tokens whose prefill is still ahead
+    decode_tokens: int = 0  # booked expected output tokens
+    active_tokens: int = 0  # booked KV footprint: prompt + expected output
+    queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker: booked here, or reported (other routers) if more."""
+        reported = 0 if self.stats is None else self.stats.running + self.stats.waiting
+        return max(self.requests, reported)
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    """The request as routing sees it: sizes only, never text."""
+
+    request_id: str
+    num_tokens: int
+    num_blocks: int  # full blocks (len of its block hashes)
+    expected_output: int = 0
+    block_size: int = 16
+    session_id: str | None = None
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen worker, why, and the prefix hit the index predicts there (tokens)."""
+
+    worker_id: str
+    reason: str
+    cached_tokens: int = 0
+    host_tokens: int = 0
+
+
+@dataclass
+class PolicyConfig:
+    """Knobs of all policies; defaults are the published ones where there are any."""
+
+    seed: int = 0  # random, power_of_two, tie-breaks
+    cache_threshold: float = 0.3  # cache_aware: follow the cache above this match rate
+    balance_abs_threshold: int = 64  # cache_aware: imbalanced if max - min load exceeds this
+    balance_rel_threshold: float = 1.5  # ... and max load exceeds this times the min
+    overlap_weight: float = 1.0  # kv_cost: weight of prefill blocks against active blocks
+    cost: CostConfig = field(default_factory=CostConfig)
+
+
+class Policy(ABC):
+    """Chooses one of `workers` (non-empty, all eligible, in a stable order) for `request`."""
+
+    name: str = ""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.rng = random.Random(self.config.seed)
+        self.cost_model = CostModel(self.config.cost)
+        self._turn = 0
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision: ...
+
+    def _argmin(
+        self, workers: Sequence[WorkerView], key: Callable[[WorkerView], float]
+    ) -> WorkerView:
+        """The worker with the least key; ties go to fewer requests, then rotate fairly."""
+        n = len(workers)
+        best = min(
+            range(n), key=lambda i: (key(workers[i]), workers[i].requests, (i - self._turn) % n)
+        )
+        self._turn += 1
+        return workers[best]
+
+
+def locality_reason(chosen: WorkerView, workers: Sequence[WorkerView]) -> str:
+    """cache_hit when the chosen worker has the best match, load_balance when another had a
+    better one, least_load when nobody had any."""
+    best = max(w.matched_blocks + w.host_blocks for w in workers)
+    if best == 0:
+        return "least_load"
+    return "cache_hit" if chosen.matched_blocks + chosen.host_blocks == best else "load_balance"
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        self._turn += 1
+        return Decision(workers[(self._turn - 1) % len(workers)].worker_id, "round_robin")
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        return Decision(self.rng.choice(workers).worker_id, "random")
+
+
+class PowerOfTwo(Policy):
+    name = "power_of_two"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        picks = self.rng.sample(list(workers), min(2, len(workers)))
+        chosen = min(picks, key=lambda w: w.load)
+        return Decision(chosen.worker_id, "power_of_two")
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        return Decision(self._argmin(workers, lambda w: w.load).worker_id, "least_load")
+
+
+class CacheAware(Policy):
+    """SGLang's cache_aware rule (see the module docstring)."""
+
+    name = "cache_aware"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        cfg = self.config
+        loads = [w.load for w in workers]
+        high, low = max(loads), min(loads)
+        if high - low > cfg.balance_abs_threshold and high > cfg.balance_rel_threshold * low:
+            return Decision(self._argmin(workers, lambda w: w.load).worker_id, "least_load")
+        best = max(workers, key=lambda w: w.matched_blocks)
+        rate = best.matched_blocks * request.block_size / max(1, request.num_tokens)
+        if rate > cfg.cache_threshold:
+            top = [w for w in workers if w.matched_blocks == best.matched_blocks]
+            return Decision(self._argmin(top, lambda w: w.load).worker_id, "cache_hit")
+        chosen = self._argmin(workers, lambda w: w.cached_blocks)
+        return Decision(chosen.worker_id, "smallest_cache")
+
+
+class KvCost(Policy):
+    """Dynamo's KV router cost, in blocks (see the module docstring)."""
+
+    name = "kv_cost"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        bs = request.block_size
+        own_blocks = request.num_blocks + request.expected_output // bs
+
+        def logit(w: WorkerView) -> float:
+            prefill = w.prefill_tokens / bs + request.num_blocks - w.matched_blocks
+            reported = 0 if w.stats is None else w.stats.kv_protected
+            active = max(w.active_tokens, reported) / bs + own_blocks
+            return self.config.overlap_weight * prefill + active
+
+        chosen = self._argmin(workers, logit)
+        return Decision(chosen.worker_id, locality_reason(chosen, workers))
+
+
+class E2(Policy):
+    """Preble's E2: exploit a long shared prefix, else explore by load + eviction + prefill."""
+
+    name = "e2"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        model = self.cost_model
+        best = max(w.matched_blocks for w in workers)
+        cached = min(best * request.block_size, request.num_tokens)
+        if best and cached > request.num_tokens - cached:
+            top = [w for w in workers if w.matched_blocks == best]
+            chosen = self._argmin(top, lambda w: model.ttft_s(request, w))
+            return Decision(chosen.worker_id, "exploit")
+
+        def explore_cost(w: WorkerView) -> float:
+            load_s = model.queue_s(w) + model.step_s(w) * w.decode_tokens / max(1, w.load)
+            return load_s + self._eviction_s(request, w) + model.prefill_s(request, w)
+
+        return Decision(self._argmin(workers, explore_cost).worker_id, "explore")
+
+    def _eviction_s(self, request: RouteRequest, w: WorkerView) -> float:
+        """Recompute time of cached tokens the worker must evict to make room (0 if unknown)."""
+        stats = w.stats
+        if stats is None or stats.kv_total <= 0:
+            return 0.0
+        device, _ = self.cost_model.cached_tokens(request, w)
+        need = request.num_tokens - device + request.expected_output
+        evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
+        return evicted / self.cost_model.prefill_speed(w)
+
+
+class Cost(Policy):
+    """The least predicted time to first token (see `router.cost_model`)."""
+
+    name = "cost"
+
+    def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
+        chosen = self._argmin(workers, lambda w: self.cost_model.score_s(request, w))
+        return Decision(chosen.worker_id, locality_reason(chosen, workers))
+
+
+_POLICIES: dict[str, type[Policy]] = {
+    p.name: p
+    for p in (RoundRobin, RandomPolicy, PowerOfTwo, LeastLoad, CacheAware, KvCost, E2, Cost)
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+DEFAULT_POLICY = "cost"
+
+
+def make_policy(name: str = DEFAULT_POLICY, config: PolicyConfig | None = None) -> Policy:
+    """A fresh policy object by name; `ValueError` names the valid ones for an unknown name."""
+    try:
+        return _POLICIES[name](config)
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}"
+        ) from None
