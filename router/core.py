@@ -56,14 +56,21 @@ class RoutingCore:
 
     def __init__(
         self,
-        config: CoreConfig | None = None,
+        policy: Policy | str | None = None,
         clock: Callable[[], float] = time.monotonic,
-        policy: Policy | None = None,
+        block_size: int | None = None,
+        config: CoreConfig | None = None,
     ) -> None:
+        """`policy`: a Policy object, a policy name, or None for `config.policy`; `block_size`
+        overrides `config.block_size`; `clock` (seconds) drives TTLs and booked load."""
         self.config = config or CoreConfig()
+        if block_size is not None:
+            self.config = replace(self.config, block_size=block_size)
+        if not isinstance(policy, Policy):
+            policy = make_policy(policy or self.config.policy, self.config.policies)
         self.clock = clock
-        self.policy = policy or make_policy(self.config.policy, self.config.policies)
-        self.cost_model = self.policy.cost_model
+        self.policy = policy
+        self.cost_model = policy.cost_model
         self.index = PrefixIndex(self.config.index, clock)
         self.sessions = SessionTable(self.config.sessions, clock)
         self.ledger = LoadLedger()
