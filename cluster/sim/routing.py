@@ -1,0 +1,61 @@
+"""The router side of the simulator: the real `RoutingCore` and the stats workers report.
+
+The core, its prefix index and its policy are the live router's own objects, built with the
+simulated clock; the cost model's priors come from the same time profile the workers run on,
+as a live router's would come from measuring its workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cluster.sim.time_model import TimeProfile, attended_pairs
+from cluster.sim.worker import SimWorker
+from router.core import RoutingCore
+from router.cost_model import CostConfig
+from router.policies import PolicyConfig, make_policy
+from worker.protocol import WorkerStats
+
+
+def prefill_speed(profile: TimeProfile) -> float:
+    """Prompt tokens per second of one full prefill chunk with no cached prefix."""
+    n = profile.prefill_budget
+    return n / profile.step_s(n, attended_pairs(n, 0), 0, 0)
+
+
+def make_core(
+    policy: str, clock: Callable[[], float], seed: int, block_tokens: int, profile: TimeProfile
+) -> RoutingCore:
+    """A `RoutingCore` running `policy` on the simulated `clock`."""
+    cost = CostConfig(
+        prefill_tokens_per_s=prefill_speed(profile),
+        decode_step_s=profile.step_s(0, 0, 1, 0),
+        decode_step_per_request_s=profile.token_s,
+        prefill_budget=profile.prefill_budget,
+    )
+    config = PolicyConfig(seed=seed, cost=cost)
+    return RoutingCore(make_policy(policy, config), clock=clock, block_size=block_tokens)
+
+
+def worker_stats(worker: SimWorker) -> WorkerStats:
+    """What the worker would report now (KV figures in tokens)."""
+    bt, cache, profile = worker.block_tokens, worker.cache, worker.profile
+    context = sum(r.context for r in worker.running)
+    free = worker.capacity_blocks - cache.total_size() - worker.reserved
+    return WorkerStats(
+        worker_id=worker.worker_id,
+        kv_total=worker.capacity_blocks * bt,
+        kv_free=max(0, free) * bt,
+        kv_evictable=cache.evictable_size() * bt,
+        kv_protected=cache.protected_size() * bt,
+        running=len(worker.running) + len(worker.prefilling),
+        waiting=len(worker.waiting),
+        waiting_prefill_tokens=worker.queued_prefill_tokens(),
+        running_decode_tokens=context,
+        prefill_tokens_per_s=prefill_speed(profile),
+        decode_step_s=profile.step_s(0, 0, max(1, len(worker.running)), context),
+        page_size=1,
+        block_size=bt,
+        max_context=1 << 20,
+        model=profile.name,
+    )
