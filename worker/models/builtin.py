@@ -7,8 +7,9 @@ deterministic (fixed seeds): the same files on every machine. Several processes 
 once: one generates under a file lock into a temporary folder and renames it into place, the
 others wait on the lock and find it done.
 
-Weights are random but scaled (unit-variance embeddings, 1/sqrt(fan_in) projections, an untied
-LM head) so that greedy decoding wanders over many tokens instead of repeating one.
+Weights are random but scaled (unit-variance embeddings, 1/sqrt(fan_in) projections, sharper
+q/k, an untied LM head) so that greedy decoding wanders over many tokens instead of repeating
+one.
 """
 
 from __future__ import annotations
@@ -168,8 +169,9 @@ def random_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         weights[p + "input_layernorm.weight"] = torch.ones(h)
-        weights[p + "self_attn.q_proj.weight"] = linear(q, h)
-        weights[p + "self_attn.k_proj.weight"] = linear(kv, h)
+        # q and k twice the usual scale: sharper attention makes outputs depend on context.
+        weights[p + "self_attn.q_proj.weight"] = linear(q, h) * 2.0
+        weights[p + "self_attn.k_proj.weight"] = linear(kv, h) * 2.0
         weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
         weights[p + "self_attn.o_proj.weight"] = linear(h, q)
         weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
