@@ -88,11 +88,12 @@ class Engine:
         self._prefill_tps = 0.0
         self._decode_step_s = 0.0
         self.num_steps = 0
+        self.num_computed_tokens = 0  # tokens run through the model, all requests, all steps
 
     # --- requests ------------------------------------------------------------------------------
 
-    def add_request(self, request: GenerateRequest) -> None:
-        """Queue a request. ValueError (nothing kept) when it is malformed or cannot fit."""
+    def validate(self, request: GenerateRequest) -> None:
+        """ValueError when the request is malformed, a duplicate, or can never fit."""
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already running")
         validate_request(
@@ -102,6 +103,10 @@ class Engine:
             self.memory.allocator.size,
             self.config.page_size,
         )
+
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request. ValueError (nothing kept) when `validate` rejects it."""
+        self.validate(request)
         req = Request.from_protocol(request, self.device)
         self._requests[req.request_id] = req
         self.scheduler.add(req)
@@ -125,12 +130,18 @@ class Engine:
         self.memory.drop_session(parked)
         return True
 
+    def expire_sessions(self) -> int:
+        """Release the sessions whose TTL has passed; returns how many."""
+        expired = self.sessions.expired()
+        for sid in expired:
+            self.close_session(sid)
+        return len(expired)
+
     # --- stepping ------------------------------------------------------------------------------
 
     def step(self) -> list[TokenChunk]:
         chunks, self._pending = self._pending, []
-        for sid in self.sessions.expired():
-            self.close_session(sid)
+        self.expire_sessions()
         batch = self.scheduler.schedule()
         if batch:
             chunks.extend(self._run(batch))
@@ -144,6 +155,7 @@ class Engine:
         started = time.perf_counter()
         logits, sampled = self._forward(batch)
         prefill = 0
+        self.num_computed_tokens += sum(batch.num_new)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             req.num_computed += n
             if n > 1:
