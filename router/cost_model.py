@@ -6,7 +6,10 @@ first token therefore comes after the prefill queued ahead of it and its own unc
 both slowed by the decode work that rides along every chunk:
 
     effective_speed = speed / (1 + decode_step_s * speed / prefill_budget)   (while decoding)
-    ttft = queue_s + (uncached / effective_speed) + (host_hit / host_load_speed) + decode_step_s
+    ttft = queue_s + slot_wait_s + uncached / effective_speed + host_hit / host_load_speed
+           + decode_step_s
+
+`slot_wait_s` is the wait for a running slot once `max_running` requests run.
 
 The `cost` policy minimises `score_s` = ttft + compute_weight x own prefill time (see there).
 
@@ -34,6 +37,7 @@ class CostConfig:
     decode_step_per_request_s: float = 0.0002  # prior growth of the step time per running request
     prefill_budget: int = 512  # prompt tokens per engine step (chunked prefill)
     host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
+    max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     compute_weight: float = 0.5  # `score_s`: seconds of score per second of prefill this adds
 
 
@@ -51,11 +55,38 @@ class CostModel:
         return self.config.prefill_tokens_per_s
 
     def step_s(self, view: WorkerView) -> float:
-        """Time of one decode step of the worker's running batch."""
-        stats = view.stats
+        """Time of one decode step of the worker's running batch.
+
+        A measured step time covers the batch the worker reported; requests booked since then
+        (more than it reported) each add the prior per-request growth.
+        """
+        cfg, stats = self.config, view.stats
         if stats is not None and stats.decode_step_s > 0:
-            return stats.decode_step_s
-        return self.config.decode_step_s + self.config.decode_step_per_request_s * view.load
+            unseen = max(0, view.requests - stats.running - stats.waiting)
+            return stats.decode_step_s + cfg.decode_step_per_request_s * unseen
+        return cfg.decode_step_s + cfg.decode_step_per_request_s * view.load
+
+    def slot_wait_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Wait for a free running slot once the worker runs `max_running` requests: a slot
+        frees every (mean booked output x step time) / max_running seconds."""
+        over = view.load + 1 - self.config.max_running
+        if over <= 0:
+            return 0.0
+        mean_output = (
+            view.decode_tokens / view.requests if view.requests else request.expected_output
+        )
+        return over * mean_output * self.step_s(view) / self.config.max_running
+
+    def eviction_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Recompute time of cached tokens the worker must evict to fit the request (0 when
+        it has not reported its KV)."""
+        stats = view.stats
+        if stats is None or stats.kv_total <= 0:
+            return 0.0
+        device, host = self.cached_tokens(request, view)
+        need = request.num_tokens - device + request.expected_output
+        evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
+        return evicted / self.prefill_speed(view)
 
     def effective_speed(self, view: WorkerView) -> float:
         """Prompt tokens per second while the worker's running requests decode alongside."""
@@ -87,7 +118,8 @@ class CostModel:
 
     def ttft_s(self, request: RouteRequest, view: WorkerView) -> float:
         """Predicted time to the request's first token on the worker."""
-        return self.queue_s(view) + self.prefill_s(request, view) + self.step_s(view)
+        wait = self.queue_s(view) + self.slot_wait_s(request, view)
+        return wait + self.prefill_s(request, view) + self.step_s(view)
 
     def score_s(self, request: RouteRequest, view: WorkerView) -> float:
         """What `cost` minimises: TTFT plus `compute_weight` x the prefill work it adds.
@@ -96,4 +128,5 @@ class CostModel:
         the other holds burns capacity that later requests wait for, and duplicates the prefix.
         """
         own = self.prefill_s(request, view)
-        return self.queue_s(view) + own + self.step_s(view) + self.config.compute_weight * own
+        wait = self.queue_s(view) + self.slot_wait_s(request, view)
+        return wait + own + self.step_s(view) + self.config.compute_weight * own

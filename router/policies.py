@@ -213,19 +213,9 @@ class E2(Policy):
 
         def explore_cost(w: WorkerView) -> float:
             load_s = model.queue_s(w) + model.step_s(w) * w.decode_tokens / max(1, w.load)
-            return load_s + self._eviction_s(request, w) + model.prefill_s(request, w)
+            return load_s + model.eviction_s(request, w) + model.prefill_s(request, w)
 
         return Decision(self._argmin(workers, explore_cost).worker_id, "explore")
-
-    def _eviction_s(self, request: RouteRequest, w: WorkerView) -> float:
-        """Recompute time of cached tokens the worker must evict to make room (0 if unknown)."""
-        stats = w.stats
-        if stats is None or stats.kv_total <= 0:
-            return 0.0
-        device, _ = self.cost_model.cached_tokens(request, w)
-        need = request.num_tokens - device + request.expected_output
-        evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
-        return evicted / self.cost_model.prefill_speed(w)
 
 
 class Cost(Policy):
