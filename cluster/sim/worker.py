@@ -88,9 +88,11 @@ class SimWorker:
     step_plan: list[tuple[RequestState, int]] = field(default_factory=list)
     busy_s: float = 0.0
     served: int = 0
+    max_run_steps: int | None = None  # cap on a decode run (a live fake worker streams each)
+    cache_block_size: int = 1  # key elements per event block
 
     def __post_init__(self) -> None:
-        self.cache = RadixCache(None, page_size=1, block_size=1)
+        self.cache = RadixCache(None, page_size=1, block_size=self.cache_block_size)
 
     @property
     def worker_id(self) -> str:
@@ -109,12 +111,14 @@ class SimWorker:
             req = state.req
             match = self.cache.match_prefix(req.blocks)
             out_blocks = math.ceil(req.output_length / self.block_tokens)
-            need = min(len(req.blocks) - match.length + out_blocks, self.capacity_blocks)
+            room = self.capacity_blocks - match.length  # what eviction can free at most
+            need = min(len(req.blocks) - match.length + out_blocks, room)
+            self.cache.lock(match.node)  # before evicting: the match itself is evictable
             short = need - (self.capacity_blocks - self.cache.total_size() - self.reserved)
             if short > 0 and self.cache.evict(short) < short:
+                self.cache.unlock(match.node)
                 break
             self.waiting.pop(0)
-            self.cache.lock(match.node)
             state.node = match.node
             state.reserved = need
             self.reserved += need
@@ -133,6 +137,7 @@ class SimWorker:
             return self._begin_prefill_step(now)
         if self.running:
             steps = min(r.req.output_length - r.generated for r in self.running)
+            steps = min(steps, self.max_run_steps or steps)
             context = sum(r.context for r in self.running)
             self.run = DecodeRun(now, max(1, steps), len(self.running), context)
             return self._busy(now, self.run.span_s(self.profile, self.run.steps))
