@@ -146,6 +146,7 @@ def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
         "max_position_embeddings": spec.max_context,
         "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "rope_theta": spec.rope_theta,  # the same, for transformers 4
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,

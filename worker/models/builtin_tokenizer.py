@@ -3,7 +3,8 @@
 The corpus is sentences drawn with a fixed seed from a small embedded vocabulary (prose,
 numbers, code-like lines, chat turns), so training needs no download and gives the same
 `tokenizer.json` every time. The chat template is ChatML (`<|im_start|>role ... <|im_end|>`)
-with system, user, assistant (incl. tool calls) and tool messages.
+with system, user, assistant (incl. tool calls) and tool messages; newlines right after a
+block tag are written as `{{ '\\n' }}` because HF renders with `trim_blocks`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ text(messages[0].content) }}\n\n{% endif %}"
-    "# Tools\n{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|im_end|>\n"
+    "# Tools{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}<|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if not (tools and loop.first and message.role == 'system') %}"
@@ -103,7 +104,7 @@ CHAT_TEMPLATE = (
     "{% if message.role == 'assistant' and message.tool_calls %}"
     "{% for call in message.tool_calls %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    '\n<tool_call>{"name": "{{ fn.name }}", "arguments": '
+    '{{ \'\\n\' }}<tool_call>{"name": "{{ fn.name }}", "arguments": '
     "{{ fn.arguments if fn.arguments is string else fn.arguments | tojson }}}</tool_call>"
     "{% endfor %}"
     "{% endif %}"
