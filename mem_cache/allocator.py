@@ -19,10 +19,32 @@ SlotIds = torch.Tensor | np.ndarray | Sequence[int]
 def as_int64_array(values: SlotIds) -> np.ndarray:
     """`values` as a 1-D int64 numpy array (no copy when it already is one on the CPU)."""
     if isinstance(values, torch.Tensor):
-        return values.detach().to("cpu", torch.int64).numpy().reshape(-1)
+        if values.device.type != "cpu" or values.dtype != torch.int64:
+            values = values.to("cpu", torch.int64)
+        return values.detach().numpy().reshape(-1)
     if isinstance(values, np.ndarray):
         return values.astype(np.int64, copy=False).reshape(-1)
     return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def pages_to_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """The slot ids of `pages`, page by page (a new array)."""
+    if page_size == 1:
+        return pages.astype(np.int64, copy=True)
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+
+
+def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """Page ids of `slots`; `ValueError` unless they are whole pages (aligned, contiguous)."""
+    if page_size == 1:
+        return slots
+    if len(slots) % page_size:
+        raise ValueError(f"{len(slots)} slots are not whole pages of {page_size}")
+    by_page = slots.reshape(-1, page_size)
+    pages = by_page[:, 0] // page_size
+    if not np.array_equal(by_page, pages[:, None] * page_size + np.arange(page_size)):
+        raise ValueError("slots are not whole pages (contiguous, ascending, aligned)")
+    return pages
 
 
 class KVAllocator:
@@ -42,7 +64,8 @@ class KVAllocator:
         self.size = size
         self.page_size = page_size
         self.num_pages = size // page_size
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
+        self._positions = np.arange(self.num_pages, dtype=np.int64)
+        self._scratch = np.zeros(self.num_pages, dtype=np.int64)
         self.clear()
 
     def clear(self) -> None:
@@ -61,50 +84,46 @@ class KVAllocator:
         """`n` free slot ids (int64, page by page), or `None` if fewer than `n` are free."""
         if n < 0 or n % self.page_size:
             raise ValueError(f"alloc({n}): not a non-negative multiple of page {self.page_size}")
-        num = n // self.page_size
+        pages = self.alloc_pages(n // self.page_size)
+        return None if pages is None else torch.from_numpy(pages_to_slots(pages, self.page_size))
+
+    def free(self, slots: SlotIds) -> None:
+        """Give whole pages back. Validates everything before changing anything."""
+        slots = as_int64_array(slots)
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.size):
+            raise ValueError(f"free(): slot out of range 0..{self.size - 1}")
+        self.free_pages(slots_to_pages(slots, self.page_size))
+
+    def alloc_pages(self, num: int) -> np.ndarray | None:
+        """`num` free page ids, or `None` (taking nothing) if fewer are free."""
         if num > self._num_free:
             return None
         top = self._num_free
         pages = self._free_pages[top - num : top][::-1].copy()
         self._num_free = top - num
         self._is_free[pages] = False
-        return torch.from_numpy(self._pages_to_slots(pages))
+        return pages
 
-    def free(self, slots: SlotIds) -> None:
-        """Give whole pages back. Validates everything before changing anything."""
-        pages = self._slots_to_pages(as_int64_array(slots))
+    def free_pages(self, pages: np.ndarray) -> None:
+        """Give pages back; out of range, already free or listed twice: `ValueError`, no change."""
         if len(pages) == 0:
             return
-        if not self._is_free[pages].any() and len(np.unique(pages)) == len(pages):
-            self._is_free[pages] = True
-            top = self._num_free
-            self._free_pages[top : top + len(pages)] = pages[::-1]
-            self._num_free = top + len(pages)
-            return
-        if len(np.unique(pages)) != len(pages):
+        if pages.min() < 0 or pages.max() >= self.num_pages:
+            raise ValueError(f"free(): page out of range 0..{self.num_pages - 1}")
+        if self._is_free[pages].any():
+            already = pages_to_slots(pages[self._is_free[pages]], self.page_size)[:8]
+            raise ValueError(f"free(): slots already free: {already.tolist()}")
+        # Duplicates without sorting: write each position into a scratch row indexed by page;
+        # a page listed twice keeps only one of its positions.
+        order = self._positions[: len(pages)]
+        self._scratch[pages] = order
+        if not np.array_equal(self._scratch[pages], order):
             raise ValueError("free(): a page is listed twice")
-        already = self._pages_to_slots(pages[self._is_free[pages]])[:8]
-        raise ValueError(f"free(): slots already free: {already.tolist()}")
+        self._is_free[pages] = True
+        top = self._num_free
+        self._free_pages[top : top + len(pages)] = pages[::-1]
+        self._num_free = top + len(pages)
 
     def free_slot_ids(self) -> np.ndarray:
         """The free slot ids (a copy), for integrity checks."""
-        return self._pages_to_slots(self._free_pages[: self._num_free])
-
-    def _pages_to_slots(self, pages: np.ndarray) -> np.ndarray:
-        if self.page_size == 1:
-            return pages.astype(np.int64, copy=True)
-        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1)
-
-    def _slots_to_pages(self, slots: np.ndarray) -> np.ndarray:
-        """Page ids of `slots`; raises `ValueError` unless they are whole pages within range."""
-        if len(slots) and (slots.min() < 0 or slots.max() >= self.size):
-            raise ValueError(f"free(): slot out of range 0..{self.size - 1}")
-        if self.page_size == 1:
-            return slots
-        if len(slots) % self.page_size:
-            raise ValueError(f"free(): {len(slots)} slots are not whole pages of {self.page_size}")
-        by_page = slots.reshape(-1, self.page_size)
-        pages = by_page[:, 0] // self.page_size
-        if not np.array_equal(by_page, pages[:, None] * self.page_size + self._page_offsets):
-            raise ValueError("free(): slots are not whole pages (contiguous, ascending, aligned)")
-        return pages
+        return pages_to_slots(self._free_pages[: self._num_free], self.page_size)

@@ -96,8 +96,8 @@ def extend_block_hashes(
     if n == 0:
         return [], state
     mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(start + n)[start:])
-    with np.errstate(over="ignore"):
-        sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
+    # uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this).
+    sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
     first_end = (block_size - 1 - start) % block_size  # index of the first block end in `tokens`
     ends = sums[first_end::block_size]
     hashes = _splitmix64(ends ^ np.uint64(namespace_seed(namespace))).tolist() if len(ends) else []

@@ -27,8 +27,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from mem_cache.allocator import KVAllocator, SlotIds, as_int64_array
-from mem_cache.events import AllCleared, BlockRemoved, BlockStored, KVEvent, extend_block_hashes
+from mem_cache.allocator import (
+    KVAllocator,
+    SlotIds,
+    as_int64_array,
+    pages_to_slots,
+    slots_to_pages,
+)
+from mem_cache.block_ledger import BlockLedger, snapshot_stored
+from mem_cache.events import DEVICE, AllCleared, KVEvent, extend_block_hashes
 from mem_cache.radix_integrity import check_tree
 from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, common_prefix_tokens, make_root
 
@@ -44,12 +51,6 @@ class MatchResult(NamedTuple):
     node: TreeNode
     length: int
     host_length: int = 0
-
-
-def fresh_parent(hashes: list[int], fresh: list[int], before: int | None) -> int | None:
-    """The block before `fresh[0]` on a node whose blocks are `hashes` (preceded by `before`)."""
-    i = hashes.index(fresh[0])
-    return hashes[i - 1] if i else before
 
 
 class RadixCache:
@@ -73,9 +74,7 @@ class RadixCache:
         self.block_size = block_size
         self._page_bytes = page_size * TOKEN_BYTES
         self._events: list[KVEvent] = []
-        # When pages do not tile blocks, sibling nodes (which differ somewhere in their first
-        # page) can both hold a block that ends before they differ: count holders per hash.
-        self._block_refs: dict[int, int] | None = {} if block_size % page_size else None
+        self._device_blocks = BlockLedger(self._events, DEVICE, block_size % page_size != 0)
         self._tick = 0
         self._seq = 0
         self._new_tree()
@@ -86,8 +85,7 @@ class RadixCache:
         self._protected = 0
         self._num_nodes = 0
         self._heap: list[tuple[int, int, TreeNode]] = []
-        if self._block_refs is not None:
-            self._block_refs = {}
+        self._device_blocks.clear()
 
     # --- sizes ------------------------------------------------------------------------------
 
@@ -182,7 +180,7 @@ class RadixCache:
         upper = TreeNode(
             parent,
             child.key[:cut],
-            None if child.value is None else child.value[:length].copy(),
+            None if child.value is None else child.value[: length // self.page_size].copy(),
             child.namespace,
             child.start,
             child.hashes[:num_blocks],
@@ -192,7 +190,8 @@ class RadixCache:
         upper.lock_ref = child.lock_ref
         parent.children[self._child_key(child)] = upper
         child.key = child.key[cut:]
-        child.value = None if child.value is None else child.value[length:].copy()
+        if child.value is not None:
+            child.value = child.value[length // self.page_size :].copy()
         child.start += length
         child.hashes = child.hashes[num_blocks:]
         child.parent = upper
@@ -214,7 +213,7 @@ class RadixCache:
         hashes, state = extend_block_hashes(
             arr[pos:n], pos, parent.hash_state, namespace, self.block_size
         )
-        value = None if values is None else values[pos:n].copy()
+        value = None if values is None else slots_to_pages(values[pos:n], self.page_size).copy()
         leaf = TreeNode(
             parent, query[pos * TOKEN_BYTES :], value, namespace, pos, hashes, state, self._tick
         )
@@ -223,7 +222,7 @@ class RadixCache:
         self._num_nodes += 1
         self._push(leaf)
         if hashes:
-            self._report_stored(hashes, self._last_hash(parent))
+            self._device_blocks.stored(hashes, self._last_hash(parent))
 
     def _child_key(self, node: TreeNode) -> object:
         first = node.key[: self._page_bytes]
@@ -246,7 +245,7 @@ class RadixCache:
         values = [node.value for node in path]
         if not values or any(v is None for v in values):
             return _EMPTY.clone()
-        return torch.from_numpy(np.concatenate(values))
+        return torch.from_numpy(pages_to_slots(np.concatenate(values), self.page_size))
 
     # --- locks ------------------------------------------------------------------------------
 
@@ -285,7 +284,7 @@ class RadixCache:
         """Remove unlocked leaves, least recently used first, until `num_tokens` are freed or
         nothing is evictable; a parent left an unlocked leaf becomes a candidate with its own
         last use. Returns the tokens freed."""
-        freed, slots = 0, []
+        freed, pages = 0, []
         while freed < num_tokens and self._heap:
             _, seq, node = heapq.heappop(self._heap)
             if node.heap_seq != seq:
@@ -295,23 +294,23 @@ class RadixCache:
                 continue
             freed += len(node)
             parent = node.parent
-            self._remove_leaf(node, slots)
+            self._remove_leaf(node, pages)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
-        if slots and self.allocator is not None:
-            self.allocator.free(np.concatenate(slots))
+        if pages and self.allocator is not None:
+            self.allocator.free_pages(np.concatenate(pages))
         return freed
 
-    def _remove_leaf(self, node: TreeNode, slots: list[np.ndarray]) -> None:
-        """Detach an unlocked leaf; its slots go to `slots` for the caller to free."""
+    def _remove_leaf(self, node: TreeNode, pages: list[np.ndarray]) -> None:
+        """Detach an unlocked leaf; its pages go to `pages` for the caller to free."""
         assert not node.children and node.lock_ref == 0, "only unlocked leaves are removed"
         del node.parent.children[self._child_key(node)]  # type: ignore[union-attr]
         self._evictable -= len(node)
         self._num_nodes -= 1
         if node.value is not None:
-            slots.append(node.value)
+            pages.append(node.value)
         if node.hashes:
-            self._report_removed(node.hashes)
+            self._device_blocks.removed(node.hashes)
         node.parent = None
         node.value = None
 
@@ -329,74 +328,31 @@ class RadixCache:
 
     # --- events, reset, integrity -------------------------------------------------------------
 
-    def _report_stored(self, hashes: list[int], before: int | None) -> None:
-        """Report the blocks of a new node that no other node already holds."""
-        refs = self._block_refs
-        if refs is None:
-            self._events.append(BlockStored(list(hashes), before))
-            return
-        run: list[int] = []
-        for h in hashes:
-            refs[h] = refs.get(h, 0) + 1
-            if refs[h] == 1:
-                run.append(h)
-            elif run:
-                self._events.append(BlockStored(run, before))
-                run = []
-            before = h if not run else before
-        if run:
-            self._events.append(BlockStored(run, before))
-
-    def _report_removed(self, hashes: list[int]) -> None:
-        """Report the blocks of a removed node that no other node still holds."""
-        refs = self._block_refs
-        if refs is None:
-            self._events.append(BlockRemoved(list(hashes)))
-            return
-        gone = []
-        for h in hashes:
-            refs[h] -= 1
-            if refs[h] == 0:
-                del refs[h]
-                gone.append(h)
-        if gone:
-            self._events.append(BlockRemoved(gone))
-
     def take_events(self) -> list[KVEvent]:
         """KV events since the last call, oldest first."""
-        events, self._events = self._events, []
+        events = self._events[:]
+        self._events.clear()  # the ledgers append to this very list
         return events
 
     def snapshot_events(self) -> list[KVEvent]:
-        """`AllCleared` then one `BlockStored` per node holding full blocks, parents first."""
-        events: list[KVEvent] = [AllCleared()]
-        stack: list[tuple[TreeNode, int | None]] = [(self.root, None)]
-        seen: set[int] = set()  # a block two siblings hold is reported once
-        while stack:
-            node, before = stack.pop()
-            fresh = [h for h in node.hashes if h not in seen]
-            if fresh:
-                seen.update(fresh)
-                events.append(BlockStored(fresh, fresh_parent(node.hashes, fresh, before)))
-            last = node.hashes[-1] if node.hashes else before
-            stack.extend((child, last) for child in node.children.values())
-        return events
+        """`AllCleared` then `BlockStored` for every fully cached block, parents first."""
+        return [AllCleared(), *snapshot_stored(self.root, DEVICE, lambda node: True)]
 
     def reset(self) -> None:
         """Free every slot of the tree and report one `AllCleared`. Refused while locked."""
         if self._protected:
             raise ValueError("reset(): some path is locked")
-        slots = []
+        pages = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             if node.value is not None:
-                slots.append(node.value)
+                pages.append(node.value)
             node.parent = None
             node.value = None
-        if slots and self.allocator is not None:
-            self.allocator.free(np.concatenate(slots))
+        if pages and self.allocator is not None:
+            self.allocator.free_pages(np.concatenate(pages))
         self._new_tree()
         self._events.append(AllCleared())
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mem_cache.allocator import pages_to_slots
 from mem_cache.events import extend_block_hashes
 from mem_cache.radix_node import TreeNode
 
@@ -59,9 +60,9 @@ def _check_node(cache: RadixCache, parent: TreeNode, key: object, node: TreeNode
         assert parent.lock_ref >= node.lock_ref, "locks: parent count below a child's"
     assert node.lock_ref >= 0, "locks: negative lock count"
     if node.value is not None:
-        assert len(node.value) == length, "values: slot count != token count"
-        assert node.value.dtype == np.int64, "values: slots must be int64"
-        assert node.value.flags.owndata, "values: a node's slots must be a copy, never a view"
+        assert len(node.value) * page == length, "values: page count != token count / page"
+        assert node.value.dtype == np.int64, "values: page ids must be int64"
+        assert node.value.flags.owndata, "values: a node's pages must be a copy, never a view"
     elif cache.allocator is not None:
         raise AssertionError("values: a node without slots in a cache with an allocator")
     _check_hashes(cache, parent, node)
@@ -105,20 +106,21 @@ def _check_eviction_heap(cache: RadixCache, nodes: list[TreeNode]) -> None:
 
 
 def _check_block_refs(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    if cache._block_refs is None:
+    if cache._device_blocks.refs is None:
         return
     counts: dict[int, int] = {}
     for node in nodes:
         for h in node.hashes:
             counts[h] = counts.get(h, 0) + 1
-    assert counts == cache._block_refs, "events: block holder counts do not match the tree"
+    assert counts == cache._device_blocks.refs, "events: block holder counts do not match the tree"
 
 
 def _check_slots(cache: RadixCache, nodes: list[TreeNode]) -> None:
     allocator = cache.allocator
     assert allocator is not None
     values = [n.value for n in nodes if n.value is not None]
-    tree = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+    pages = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+    tree = pages_to_slots(pages, cache.page_size)
     assert len(tree) == cache.total_size(), "slots: tree slot count != total_size"
     if len(tree):
         assert tree.min() >= 0 and tree.max() < allocator.size, "slots: out of range"
@@ -126,8 +128,3 @@ def _check_slots(cache: RadixCache, nodes: list[TreeNode]) -> None:
     free = allocator.free_slot_ids()
     assert len(np.unique(free)) == len(free), "slots: a slot is free twice"
     assert not np.isin(tree, free).any(), "slots: a tree slot is also free"
-    page = cache.page_size
-    if page > 1 and len(tree):
-        rows = tree.reshape(-1, page)
-        assert (rows[:, 0] % page == 0).all(), "page alignment: a page starts mid-page"
-        assert (np.diff(rows, axis=1) == 1).all(), "page alignment: a page is not contiguous"

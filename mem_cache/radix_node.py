@@ -1,8 +1,9 @@
 """A node of the radix tree, and the token-key helpers the tree uses.
 
 A node holds one edge of the tree: `key`, the token ids of that edge as int64 bytes (8 bytes a
-token, one object per node rather than one per token), and `value`, their slot ids as an int64
-numpy array that the node owns (a copy, never a view). `start` is how many tokens precede the
+token, one object per node rather than one per token), and `value`, the ids of the pages that
+hold them (one int64 per page, so 1/page_size of a slot list) as a numpy array that the node
+owns (a copy, never a view); `None` in a pure index. `start` is how many tokens precede the
 edge on its path from the root; `hashes` are the block hashes of the blocks that END inside the
 edge (block `j` ends at token `(j + 1) * block_size`), so splitting a node splits that list and
 a block is reported exactly once, by the node where it ends. `hash_state` is the running block
@@ -88,7 +89,9 @@ def as_tokens(tokens: object) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         return tokens.astype(np.int64, copy=False).reshape(-1)
     if isinstance(tokens, torch.Tensor):
-        return tokens.detach().to("cpu", torch.int64).numpy().reshape(-1)
+        if tokens.device.type != "cpu" or tokens.dtype != torch.int64:
+            tokens = tokens.to("cpu", torch.int64)
+        return tokens.detach().numpy().reshape(-1)
     return np.fromiter(tokens, dtype=np.int64, count=len(tokens))  # type: ignore[arg-type]
 
 
