@@ -1,0 +1,283 @@
+"""The router's HTTP face: the OpenAI API plus workers, sessions, health and metrics.
+
+    create_app(config: RouterConfig, backends: Sequence[Backend] = (), *,
+               control: WorkerControl | None = None, tokenizer: Tokenizer | None = None,
+               core: RoutingCore | None = None) -> FastAPI
+
+`backends` are the workers known at start (e.g. `RayBackend(worker_id, actor_handle)`); they
+join when the app starts (lifespan, or the first request when the host runs no lifespan, as
+in some Ray Serve set-ups). Workers can come and go later through `app.state.router.workers`
+(`attach(backend)`, `detach(worker_id)`, `set_draining(worker_id, flag)`, `in_flight(id)`,
+all called on the app's event loop) or the admin endpoints. `control` (see
+`router.service.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
+endpoints start and stop workers; without it, adding answers 501. `tokenizer` defaults to the
+HF tokenizer of `config.tokenizer or config.model`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics, GET /v1/workers, DELETE /v1/sessions/{id}; admin: POST /v1/admin/workers
+(body {"count": n}), POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
+under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving worker, or
+"none"). With `config.api_key`, every /v1/* call needs `Authorization: Bearer <key>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router.backends import Backend
+from router.config import RouterConfig
+from router.core import RoutingCore
+from router.errors import APIError, bad_request, body_too_large, invalid_api_key
+from router.generation import ChoiceRun, Job, account, merged, open_choices
+from router.openai_types import ChatRequest, CompletionRequest, parse_body
+from router.render import SSE_DONE, Renderer, sse
+from router.service import Router, WorkerControl
+from router.tokenizer import Tokenizer
+
+WORKER_HEADER = "X-Radixray-Worker"
+
+
+def _json(obj: Any, status: int = 200, worker: str = "none") -> Response:
+    return Response(
+        json.dumps(obj, separators=(",", ":")),
+        status_code=status,
+        media_type="application/json",
+        headers={WORKER_HEADER: worker},
+    )
+
+
+def _error(exc: APIError) -> Response:
+    return Response(
+        exc.body_bytes(),
+        status_code=exc.status,
+        media_type="application/json",
+        headers={WORKER_HEADER: "none"},
+    )
+
+
+class _Guard:
+    """ASGI middleware: API key on /v1/*, body size from Content-Length, the worker header."""
+
+    def __init__(self, app: Any, router: Router) -> None:
+        self.app = app
+        self.router = router
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        failure = self._check(scope)
+        if failure is not None:
+            self.router.metrics.requests.labels(scope["path"][:64], str(failure.status)).inc()
+            return await _error(failure)(scope, receive, send)
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = message.setdefault("headers", [])
+                if not any(k.lower() == b"x-radixray-worker" for k, _ in headers):
+                    headers.append((b"x-radixray-worker", b"none"))
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+    def _check(self, scope: dict) -> APIError | None:
+        headers = dict(scope["headers"])
+        key = self.router.config.api_key
+        if key and scope["path"].startswith("/v1/"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return invalid_api_key()
+        length = headers.get(b"content-length")
+        limit = self.router.config.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return body_too_large(limit) if length.isdigit() else bad_request("bad Content-Length")
+        return None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, cls: type, router: Router) -> Any:
+    return parse_body(cls, await _read_body(request, router.config.max_body_bytes))
+
+
+def create_app(
+    config: RouterConfig,
+    backends: Sequence[Backend] = (),
+    *,
+    control: WorkerControl | None = None,
+    tokenizer: Tokenizer | None = None,
+    core: RoutingCore | None = None,
+) -> FastAPI:
+    """The router app over `backends`; see the module docstring for the whole contract."""
+    router = Router(config, backends, control, tokenizer, core)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.stop()
+
+    app = FastAPI(title="radixray", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router = router
+    _add_handlers(app, router)
+    _add_openai_routes(app, router)
+    _add_admin_routes(app, router)
+    app.add_middleware(_Guard, router=router)
+    return app
+
+
+def _add_handlers(app: FastAPI, router: Router) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        router.metrics.requests.labels(request.url.path[:64], str(exc.status)).inc()
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return _error(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> Response:
+        return _error(APIError(500, f"internal error: {type(exc).__name__}"))
+
+
+def _add_openai_routes(app: FastAPI, router: Router) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        await router.start()
+        body = await _parse(request, CompletionRequest, router)
+        job = router.completion_job(body, request.headers.get("x-session-id"))
+        renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
+        return await _serve(
+            router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        await router.start()
+        body = await _parse(request, ChatRequest, router)
+        job = router.chat_job(body, request.headers.get("x-session-id"))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
+        return await _serve(
+            router, job, renderer, body.stream, body.include_usage(), "/v1/chat/completions"
+        )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": router.config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "radixray",
+            "max_model_len": router.context_limit(),
+        }
+        return _json({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        await router.start()
+        ready = [w for w in router.workers.backends if w not in router.workers.draining]
+        status = 200 if ready else 503
+        return _json({"status": "ok" if ready else "no_workers", "workers": len(ready)}, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router.metrics.index_blocks.set(router.core.index_blocks())
+        router.metrics.sessions.set(len(router.core.sessions))
+        return Response(router.metrics.render(), media_type=router.metrics.content_type)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def close_session(session_id: str) -> Response:
+        deleted = await router.close_session(session_id)
+        return _json({"id": session_id, "object": "session", "deleted": deleted})
+
+
+async def _serve(
+    router: Router, job: Job, renderer: Renderer, stream: bool, include_usage: bool, endpoint: str
+) -> Response:
+    runs = await open_choices(job, router.dispatcher, router.tokenizer, router.metrics)
+    worker = runs[0].dispatch.first_worker
+    router.metrics.requests.labels(endpoint, "200").inc()
+    if stream:
+        return StreamingResponse(
+            _sse(router, job, renderer, runs, include_usage),
+            media_type="text/event-stream",
+            headers={WORKER_HEADER: worker},
+        )
+    texts = ["" for _ in runs]
+    try:
+        async for delta in merged(runs):
+            texts[delta.index] += delta.text
+    finally:
+        for run in runs:
+            await run.dispatch.close()
+    usage = account(job, runs, router.metrics)
+    return _json(renderer.body(runs, texts, usage), worker=runs[0].dispatch.worker_id)
+
+
+async def _sse(
+    router: Router, job: Job, renderer: Renderer, runs: list[ChoiceRun], include_usage: bool
+) -> AsyncIterator[bytes]:
+    try:
+        if renderer.chat:
+            for run in runs:
+                yield renderer.first_chunk(run.index)
+        async for delta in merged(runs):
+            yield renderer.chunk(delta)
+        usage = account(job, runs, router.metrics)
+        if include_usage:
+            yield renderer.usage_chunk(usage)
+        yield SSE_DONE
+    except APIError as exc:  # every worker failed mid-stream: say so in the stream
+        yield sse(exc.body())
+        yield SSE_DONE
+    finally:
+        for run in runs:
+            await run.dispatch.close()
+
+
+def _add_admin_routes(app: FastAPI, router: Router) -> None:
+    @app.get("/v1/workers")
+    async def workers() -> Response:
+        return _json({"object": "list", "data": router.workers_json()})
+
+    async def add(request: Request) -> Response:
+        raw = await _read_body(request, router.config.max_body_bytes)
+        count: Any = 1
+        if raw.strip():
+            try:
+                data = json.loads(raw)
+            except (ValueError, RecursionError):
+                data = None
+            count = data.get("count", 1) if isinstance(data, dict) else None
+            if not isinstance(count, int) or not 1 <= count <= 64:
+                raise bad_request("count must be an integer in [1, 64]", param="count")
+        added = await router.add_workers(count)
+        return _json({"added": added, "data": router.workers_json()})
+
+    async def drain(worker_id: str) -> Response:
+        return _json(await router.drain(worker_id))
+
+    async def remove(worker_id: str) -> Response:
+        return _json(await router.remove(worker_id))
+
+    for prefix in ("/v1/admin/workers", "/v1/workers"):
+        app.add_api_route(prefix, add, methods=["POST"])
+        app.add_api_route(prefix + "/{worker_id}/drain", drain, methods=["POST"])
+        app.add_api_route(prefix + "/{worker_id}", remove, methods=["DELETE"])

@@ -1,0 +1,284 @@
+"""Where requests go: one `Backend` per worker, behind one interface.
+
+`RayBackend` talks to a `WorkerActor` handle (token ids in, `TokenChunk`s out, KV events and
+stats pulled). `HttpBackend` talks to any OpenAI-compatible server (vLLM, SGLang, another
+radixray) over HTTP with aiohttp, so the router can front servers it did not start.
+
+Errors are two kinds, and the dispatcher treats them differently:
+`BackendDead` (the worker is gone or unreachable: fail over to another worker) and
+`BackendRequestError` (the worker refused this request: no point retrying elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
+
+
+class BackendDead(Exception):
+    """The worker died or cannot be reached."""
+
+
+class BackendRequestError(Exception):
+    """The worker rejected the request itself (bad parameters); retrying elsewhere won't help."""
+
+
+class Backend(ABC):
+    """One worker as the router sees it. All methods are called from the router's event loop."""
+
+    worker_id: str
+
+    @abstractmethod
+    async def ready(self) -> dict[str, Any]:
+        """Waits until the worker serves; returns at least `model`, `block_size`, `page_size`,
+        `max_context` (0 when unknown)."""
+
+    @abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        """Streams the request's chunks; the last one has `finish_reason` set. Stopping the
+        iteration early does not abort the request on the worker: call `abort`."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    async def stats(self) -> WorkerStats: ...
+
+    @abstractmethod
+    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
+        """Encoded KV event batches after `after_seq` of `epoch`, or a snapshot batch
+        (starting with AllCleared) when the epoch differs or the batches are gone."""
+
+    @abstractmethod
+    async def close_session(self, session_id: str) -> bool: ...
+
+    async def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Releases connections; the worker itself keeps running."""
+
+
+def _chunks(item: Any) -> list[TokenChunk]:
+    """A streamed item is one TokenChunk or a list of them (one engine step)."""
+    return list(item) if isinstance(item, (list, tuple)) else [item]
+
+
+class RayBackend(Backend):
+    """A `WorkerActor` handle. Needs `ray.init` done in this process (or a Serve replica)."""
+
+    def __init__(self, worker_id: str, handle: Any) -> None:
+        self.worker_id = worker_id
+        self.handle = handle
+
+    async def _call(self, method: Any, *args: Any) -> Any:
+        import ray.exceptions as rex
+
+        try:
+            return await method.remote(*args)
+        except rex.RayTaskError as exc:
+            raise _task_error(exc) from exc
+        except rex.RayError as exc:
+            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+
+    async def ready(self) -> dict[str, Any]:
+        return dict(await self._call(self.handle.ready))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        import ray.exceptions as rex
+
+        try:
+            stream = self.handle.generate.options(num_returns="streaming").remote(request)
+            async for ref in stream:
+                for chunk in _chunks(await ref):
+                    yield chunk
+        except rex.RayTaskError as exc:
+            raise _task_error(exc) from exc
+        except rex.RayError as exc:
+            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+
+    async def abort(self, request_id: str) -> None:
+        try:
+            await self._call(self.handle.abort, request_id)
+        except (BackendDead, BackendRequestError):
+            pass  # a dead worker has nothing left to abort
+
+    async def stats(self) -> WorkerStats:
+        return await self._call(self.handle.stats)
+
+    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
+        return list(await self._call(self.handle.kv_events, epoch, after_seq))
+
+    async def close_session(self, session_id: str) -> bool:
+        return bool(await self._call(self.handle.close_session, session_id))
+
+
+def _task_error(exc: Exception) -> Exception:
+    """A worker-side exception: ValueError means a rejected request, anything else a failure."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, ValueError):
+        return BackendRequestError(str(cause))
+    return BackendDead(str(exc))
+
+
+class HttpBackend(Backend):
+    """An OpenAI-compatible server at `base_url` (without the trailing /v1).
+
+    Requests go to `/v1/completions` with the prompt as token ids and `return_token_ids`
+    (vLLM >= 0.10.2 and radixray send the output ids back). A server that only returns text has
+    its text re-tokenized with `encode`. Such servers publish no KV events, so the router's index
+    for them holds only its own routing history. Top logprobs are not carried over.
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.worker_id = worker_id
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.encode = encode
+        self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.running = 0
+        self._session: Any = None
+
+    def _http(self) -> Any:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+            self._session = aiohttp.ClientSession(headers=self.headers, timeout=timeout)
+        return self._session
+
+    async def _json(self, method: str, path: str) -> tuple[int, Any]:
+        import aiohttp
+
+        try:
+            async with self._http().request(method, self.base_url + path) as resp:
+                return resp.status, await resp.json(content_type=None)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+
+    async def ready(self) -> dict[str, Any]:
+        status, body = await self._json("GET", "/v1/models")
+        if status != 200 or not body.get("data"):
+            raise BackendDead(f"{self.worker_id}: /v1/models answered {status}")
+        card = body["data"][0]
+        self.model = self.model or card["id"]
+        return {
+            "model": self.model,
+            "block_size": 16,
+            "page_size": 1,
+            "max_context": int(card.get("max_model_len") or 0),
+        }
+
+    def _body(self, request: GenerateRequest) -> dict[str, Any]:
+        s = request.sampling
+        done = len(request.resume_ids)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": request.input_ids + request.resume_ids,
+            "max_tokens": max(s.max_tokens - done, 1),
+            "min_tokens": max(s.min_tokens - done, 0),
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty,
+            "stop_token_ids": s.stop_token_ids,
+            "ignore_eos": s.ignore_eos,
+            "skip_special_tokens": False,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.logprobs is not None:
+            body["logprobs"] = s.logprobs
+        if request.session_id:
+            body["session_id"] = request.session_id
+        return body
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        import aiohttp
+
+        self.running += 1
+        last: TokenChunk | None = None
+        try:
+            async with self._http().post(
+                self.base_url + "/v1/completions", json=self._body(request)
+            ) as resp:
+                if resp.status >= 400:
+                    text = await resp.text()
+                    kind = BackendRequestError if resp.status < 500 else BackendDead
+                    raise kind(f"{self.worker_id}: HTTP {resp.status}: {text[:500]}")
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk, usage = self._parse(request.request_id, json.loads(data))
+                    if usage and last is not None:
+                        last.prompt_tokens = usage.get("prompt_tokens", 0)
+                        details = usage.get("prompt_tokens_details") or {}
+                        last.cached_tokens = int(details.get("cached_tokens") or 0)
+                    if chunk is None:
+                        continue
+                    if last is not None:
+                        yield last
+                    last = chunk
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+        finally:
+            self.running -= 1
+        if last is None or last.finish_reason is None:
+            raise BackendDead(f"{self.worker_id}: stream ended before the request finished")
+        yield last
+
+    def _parse(self, request_id: str, body: dict) -> tuple[TokenChunk | None, dict | None]:
+        if "error" in body:
+            raise BackendDead(f"{self.worker_id}: {body['error']}")
+        choices = body.get("choices") or []
+        if not choices:
+            return None, body.get("usage")
+        choice = choices[0]
+        ids = choice.get("token_ids")
+        if ids is None:
+            ids = self.encode(choice.get("text") or "") if self.encode else []
+        lp = (choice.get("logprobs") or {}).get("token_logprobs")
+        chunk = TokenChunk(
+            request_id,
+            list(ids),
+            finish_reason=choice.get("finish_reason"),
+            logprobs=list(lp) if lp else None,
+        )
+        return chunk, body.get("usage")
+
+    async def abort(self, request_id: str) -> None:
+        """Closing the stream's connection is how an OpenAI server learns of an abort."""
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(worker_id=self.worker_id, running=self.running)
+
+    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
+        return []
+
+    async def close_session(self, session_id: str) -> bool:
+        status, body = await self._json("DELETE", f"/v1/sessions/{session_id}")
+        return status == 200 and bool(body.get("deleted"))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,200 @@
+"""One generation from route to last token, with failover.
+
+`Dispatcher.open` routes the request, sends it and waits for its first chunk, so that a worker
+failing before the first token costs the client nothing but time: the request is routed again
+to the next best worker, the failed one excluded. After tokens have been streamed, a failure
+sends the request to another worker with `resume_ids` = the tokens streamed so far; that worker
+prefills prompt + those tokens and continues, so the client's stream goes on. At most
+`max_failovers` moves per request. A worker found dead is purged from routing at once.
+
+Load booked by `core.route` is released by exactly one `core.finish` per routed attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mem_cache.events import block_hashes
+from router.backends import Backend, BackendDead, BackendRequestError
+from router.errors import APIError, no_workers
+from router.metrics import RouterMetrics
+from router.workers import WorkerRegistry
+from worker.protocol import GenerateRequest, TokenChunk
+
+
+class Dispatcher:
+    """Sends requests to workers chosen by the routing core."""
+
+    def __init__(
+        self,
+        core: Any,
+        workers: WorkerRegistry,
+        metrics: RouterMetrics,
+        max_failovers: int = 2,
+        namespace: str | None = None,
+    ) -> None:
+        self.core = core
+        self.workers = workers
+        self.metrics = metrics
+        self.max_failovers = max_failovers
+        self.namespace = namespace
+
+    async def open(self, request: GenerateRequest, expected_output: int) -> Dispatch:
+        """Routes and starts `request`; returns once its first chunk is in.
+
+        Raises APIError: 503 when no worker can take it, 400 when the worker rejects it.
+        """
+        run = Dispatch(self, request, expected_output)
+        await run.start()
+        return run
+
+
+class Dispatch:
+    """One request in flight. Iterate it for chunks; `close()` it in every case."""
+
+    def __init__(self, dispatcher: Dispatcher, request: GenerateRequest, expected: int) -> None:
+        self.d = dispatcher
+        self.request = request
+        self.expected = expected
+        self.tokens: list[int] = []  # output ids passed on so far (the resume point)
+        self.failed: set[str] = set()
+        self.failovers = 0
+        self.worker_id = ""  # the worker serving now
+        self.first_worker = ""  # the worker that produced the first token (response header)
+        self.cached_tokens = 0
+        self.predicted_tokens = 0
+        self.finished = False
+        self._backend: Backend | None = None
+        self._stream: AsyncIterator[TokenChunk] | None = None
+        self._first: TokenChunk | None = None
+        self._routed = False
+
+    async def start(self) -> None:
+        self._first = await self._attempt()
+        self.first_worker = self.worker_id
+        self.cached_tokens = min(self._first.cached_tokens, len(self.request.input_ids))
+
+    def _route(self) -> Backend:
+        hashes = block_hashes(
+            self.request.input_ids + self.tokens, self.d.namespace, self.d.workers.block_size
+        )
+        try:
+            decision = self.d.core.route(
+                self.request.request_id,
+                hashes,
+                len(self.request.input_ids) + len(self.tokens),
+                max(self.expected - len(self.tokens), 1),
+                session_id=self.request.session_id,
+                exclude=tuple(self.failed),
+            )
+        except (LookupError, ValueError, RuntimeError) as exc:
+            raise no_workers() from exc
+        backend = self.d.workers.backends.get(decision.worker_id)
+        self._routed = True
+        if backend is None:  # the core knew a worker the registry just dropped
+            self._release()
+            self.failed.add(decision.worker_id)
+            raise BackendDead(decision.worker_id)
+        self.worker_id = decision.worker_id
+        self.predicted_tokens = int(getattr(decision, "cached_tokens", 0) or 0)
+        self.d.metrics.routed.labels(decision.worker_id, decision.reason).inc()
+        self.d.workers.inflight[self.worker_id] += 1
+        return backend
+
+    async def _attempt(self) -> TokenChunk:
+        """Route, send, and return the first chunk; fail over while workers die."""
+        while True:
+            if not self.d.workers.backends:
+                raise no_workers()
+            try:
+                self._backend = self._route()
+                request = dataclasses.replace(self.request, resume_ids=list(self.tokens))
+                self._stream = self._backend.generate(request).__aiter__()
+                chunk = await self._stream.__anext__()
+                if chunk.error and not chunk.token_ids:
+                    raise BackendRequestError(chunk.error)
+                return chunk
+            except (BackendDead, StopAsyncIteration) as exc:
+                self._fail(exc)
+            except BackendRequestError as exc:
+                self._release()
+                raise APIError(400, f"the worker rejected the request: {exc}") from exc
+
+    def _fail(self, exc: BaseException) -> None:
+        """The current worker died: release its booking, purge it, count a failover."""
+        wid = self.worker_id
+        self._release()
+        if wid:
+            self.failed.add(wid)
+            self.d.workers.mark_dead(wid)
+        self.failovers += 1
+        self.d.metrics.failovers.inc()
+        if self.failovers > self.d.max_failovers:
+            raise APIError(
+                503, f"workers failed {self.failovers} times: {exc}", code="worker_failed"
+            ) from exc
+
+    def _release(self) -> None:
+        if self._routed:
+            self._routed = False
+            self.d.core.finish(self.request.request_id, None)
+            if self.worker_id:
+                self.d.workers.inflight[self.worker_id] -= 1
+
+    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
+        chunk = self._first
+        self._first = None
+        while chunk is not None:
+            self.tokens.extend(chunk.token_ids)
+            if chunk.finish_reason is None and len(self.tokens) >= self.request.sampling.max_tokens:
+                chunk.finish_reason = "length"  # a resumed worker may not know the budget spent
+            if chunk.finish_reason is not None:
+                self._finish()
+            yield chunk
+            if self.finished:
+                return
+            chunk = await self._next()
+
+    async def _next(self) -> TokenChunk:
+        assert self._stream is not None
+        try:
+            chunk = await self._stream.__anext__()
+            if chunk.error and chunk.finish_reason is None:
+                chunk.finish_reason = "abort"
+            return chunk
+        except (BackendDead, StopAsyncIteration) as exc:
+            self._fail(exc)
+        return await self._attempt()
+
+    def _finish(self) -> None:
+        self.finished = True
+        if self._routed:
+            self._routed = False
+            self.d.core.finish(self.request.request_id, self.cached_tokens)
+            self.d.workers.inflight[self.worker_id] -= 1
+
+    async def close(self) -> None:
+        """Ends the request: aborts it on the worker if it is still running there."""
+        if not self.finished and self._backend is not None:
+            backend, rid = self._backend, self.request.request_id
+            self._release()
+            self.finished = True
+            task = asyncio.get_running_loop().create_task(_quiet_abort(backend, rid))
+            _aborts.add(task)  # keep a reference until done (the loop holds only a weak one)
+            task.add_done_callback(_aborts.discard)
+        if self._stream is not None and hasattr(self._stream, "aclose"):
+            stream, self._stream = self._stream, None
+            await stream.aclose()
+
+
+_aborts: set[asyncio.Task] = set()
+
+
+async def _quiet_abort(backend: Backend, request_id: str) -> None:
+    try:
+        await backend.abort(request_id)
+    except Exception:  # noqa: BLE001 - the worker may be gone; nothing is left to abort then
+        pass

@@ -1,0 +1,148 @@
+"""The model's own HF tokenizer and chat template, and incremental detokenization with stop strings.
+
+The router tokenizes once; workers get token ids. Output goes the other way: `TextStream` turns
+token ids into text as they arrive, never emitting half of a multi-byte character, and holds back
+any tail that could still become a stop string, so a client never sees part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+
+
+class Tokenizer:
+    """Wraps `transformers.AutoTokenizer.from_pretrained(path)` (a model directory)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when a router is built
+
+        self.path = str(path)
+        self.hf = AutoTokenizer.from_pretrained(self.path)
+        self.vocab_size: int = len(self.hf)
+        eos = self.hf.eos_token_id
+        self.eos_token_ids: list[int] = [] if eos is None else [int(eos)]
+        limit = getattr(self.hf, "model_max_length", None)
+        sane = isinstance(limit, int) and limit < 1 << 30  # HF uses a huge int for "unknown"
+        self.model_max_length: int | None = limit if sane else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt (with the model's BOS if it uses one)."""
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (for logprobs); partial characters stay as U+FFFD."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat(self, messages: list[dict[str, Any]], tools: list | None = None) -> list[int]:
+        """Token ids of `messages` under the chat template, ending with the assistant's turn.
+
+        Raises ValueError when the template rejects the conversation (or there is none).
+        """
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("the model has no chat template; use /v1/completions")
+        try:
+            text = self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja raises its own types for bad conversations
+            raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class TextStream:
+    """Token ids in, text out, for one choice of one request.
+
+    `push(ids)` returns the text that is now safe to send: complete characters, with any tail
+    that could be the start of a stop string held back. Once a stop string is seen, `stopped` is
+    True, the text before it was returned and everything after is dropped. `finish()` returns
+    what was held back when the generation ends without a stop string.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded last time
+        self.read_offset = 0  # ids before this have been turned into text
+        self.held = ""  # decoded text not yet sent: it may begin a stop string
+        self.stopped = False
+        self.text = ""  # everything sent so far
+
+    def push(self, ids: Sequence[int]) -> str:
+        if self.stopped or not ids:
+            return ""
+        self.ids.extend(ids)
+        return self._release(self._decode_new())
+
+    def finish(self) -> str:
+        """Flush at end of generation: held text plus any trailing partial character."""
+        if self.stopped:
+            return ""
+        tail = ""
+        if self.read_offset < len(self.ids):
+            before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+            tail = self._decode(self.ids[self.prefix_offset :])[len(before) :]
+            self.read_offset = len(self.ids)
+        out = self._release(tail)
+        if not self.stopped:
+            out += self.held
+            self.text += self.held
+            self.held = ""
+        return out
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self) -> str:
+        # Decode with one step of left context so tokenizers that render a token differently
+        # at the start of a text (leading spaces) give the same characters as the whole text.
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        now = self._decode(self.ids[self.prefix_offset :])
+        if now.endswith(_REPLACEMENT) or len(now) <= len(before):
+            return ""  # an incomplete character (or nothing visible yet): wait for more ids
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return now[len(before) :]
+
+    def _release(self, new_text: str) -> str:
+        buf = self.held + new_text
+        if not self.stop:
+            self.held = ""
+            self.text += buf
+            return buf
+        cut = _first_stop(buf, self.stop)
+        if cut is not None:
+            self.stopped = True
+            self.held = ""
+            self.text += buf[:cut]
+            return buf[:cut]
+        keep = _stop_prefix_len(buf, self.stop)
+        out, self.held = buf[: len(buf) - keep], buf[len(buf) - keep :]
+        self.text += out
+        return out
+
+
+def _first_stop(text: str, stop: list[str]) -> int | None:
+    """Index of the earliest stop string in `text`, or None."""
+    hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stop: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
