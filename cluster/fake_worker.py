@@ -111,19 +111,18 @@ class FakeWorker:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._count])
-        cid = self.config.worker_id
-        app.router.add_post("/v1/completions", lambda r: self.complete(r, chat=False))
-        app.router.add_post("/v1/chat/completions", lambda r: self.complete(r, chat=True))
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         for path in ("/health", "/health_generate", "/readiness", "/liveness"):
-            app.router.add_get(path, lambda r: web.json_response({"status": "ok", "id": cid}))
+            app.router.add_get(path, self.health)
         for path in ("/get_server_info", "/server_info"):
             app.router.add_get(path, self.server_info)
         for path in ("/get_model_info", "/model_info"):
             app.router.add_get(path, self.model_info)
         app.router.add_get("/get_load", self.load)
         app.router.add_route("*", "/flush_cache", self.flush)
-        app.router.add_delete("/v1/sessions/{sid}", lambda r: web.json_response({"deleted": False}))
+        app.router.add_delete("/v1/sessions/{sid}", self.close_session)
         app.router.add_route("*", "/{tail:.*}", self.unknown)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
@@ -145,6 +144,18 @@ class FakeWorker:
 
     def _headers(self) -> dict:
         return {WORKER_HEADER: self.config.worker_id}
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "worker_id": self.config.worker_id})
+
+    async def close_session(self, request: web.Request) -> web.Response:
+        return web.json_response({"deleted": False})  # fake workers keep no sessions
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.complete(request, chat=True)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.config.model, "object": "model", "owned_by": "radixray",

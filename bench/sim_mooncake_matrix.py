@@ -1,0 +1,77 @@
+"""Every routing policy on the Mooncake conversation trace: 8/16 workers, ~1%/~5% capacity,
+load 0.5/0.8 (see `cluster.sim.cli` for the definition of load). Prints a markdown table per
+setting and writes all reports as one JSON file.
+
+    python bench/sim_mooncake_matrix.py --trace ../shared/traces/mooncake_conversation.jsonl.gz \
+        --out /tmp/matrix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from cluster.sim.pooled import pooled_hit_rate
+from cluster.sim.report import build_report, format_table
+from cluster.sim.simulator import SimConfig, simulate
+from cluster.sim.time_model import h100_llama3_8b
+from cluster.sim.trace import TRACE_BLOCK_TOKENS, read_trace
+from cluster.sim.workloads import Workload, trace_workload
+from router.policies import POLICY_NAMES
+
+
+def distinct_blocks(path: str) -> int:
+    return len({h for row in read_trace(path) for h in row["hash_ids"]})
+
+
+def speed_for(path: str, workers: int, load: float) -> float:
+    from cluster.sim.cli import speed_for_load
+
+    return speed_for_load(trace_workload(path), workers, h100_llama3_8b(), load)
+
+
+def run_setting(path: str, workers: int, kv_tokens: int, load: float, policies: list[str],
+                seed: int) -> dict:
+    profile = h100_llama3_8b()
+    speed = speed_for(path, workers, load)
+    workload: Workload = trace_workload(path, speed, seed)
+    results = []
+    for name in policies:
+        started = time.perf_counter()
+        results.append(simulate(workload, SimConfig(workers, kv_tokens, name, seed=seed), profile))
+        print(f"  {name}: {time.perf_counter() - started:.1f} s", flush=True)
+    report = build_report(results, pooled_hit_rate(workload, kv_tokens * workers))
+    return {"workers": workers, "kv_tokens": kv_tokens, "load": load, "speed": speed,
+            "report": report}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--out", default="sim_matrix.json")
+    parser.add_argument("--workers", default="8,16")
+    parser.add_argument("--fractions", default="0.01,0.05")
+    parser.add_argument("--loads", default="0.5,0.8")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    blocks = distinct_blocks(args.trace)
+    policies = args.policies.split(",")
+    settings = []
+    for workers in map(int, args.workers.split(",")):
+        for fraction in map(float, args.fractions.split(",")):
+            kv_tokens = round(blocks * fraction) * TRACE_BLOCK_TOKENS
+            for load in map(float, args.loads.split(",")):
+                print(f"## {workers} workers, {kv_tokens} KV tokens ({fraction:.0%} of {blocks}"
+                      f" blocks), load {load}", flush=True)
+                setting = run_setting(args.trace, workers, kv_tokens, load, policies, args.seed)
+                print(f"speed {setting['speed']:.3f}\n{format_table(setting['report'])}\n",
+                      flush=True)
+                settings.append(setting)
+                with open(args.out, "w") as f:
+                    json.dump(settings, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

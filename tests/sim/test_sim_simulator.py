@@ -1,0 +1,122 @@
+"""The simulator end to end: determinism, the pooled bound, the JSON report, the CLI."""
+
+import argparse
+import json
+
+import pytest
+
+from cluster.sim.cli import add_simulate_args, run_simulate
+from cluster.sim.pooled import pooled_hit_rate
+from cluster.sim.report import POLICY_KEYS, build_report, summarize
+from cluster.sim.simulator import SimConfig, Simulator, simulate
+from cluster.sim.time_model import h100_llama3_8b
+from cluster.sim.workloads import (
+    ChatConfig,
+    SharedPrefixConfig,
+    generated_shared_prefix,
+    multi_turn_chat,
+)
+from router.policies import POLICY_NAMES
+
+PROFILE = h100_llama3_8b()
+
+
+def chat_workload(seed=0):
+    cfg = ChatConfig(sessions=40, turns=4, session_rate=4.0, think_s=2.0, block_tokens=128)
+    return multi_turn_chat(cfg, seed)
+
+
+def shared_prefix(groups=8, rate=20.0):
+    return generated_shared_prefix(SharedPrefixConfig(groups=groups, prompts_per_group=8,
+                                                      rate=rate), seed=0)
+
+
+def write_trace(path, workload):
+    with open(path, "w") as f:
+        for r in workload.requests:
+            row = {"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
+                   "output_length": r.output_length, "hash_ids": r.blocks}
+            f.write(json.dumps(row) + "\n")
+
+
+def test_every_request_finishes_and_caches_stay_consistent():
+    workload = chat_workload()
+    sim = Simulator(workload, SimConfig(workers=3, kv_tokens=40 * 128, policy="cost"), PROFILE)
+    result = sim.run()
+    assert len(result.ttft_s) == len(workload.requests)
+    assert all(0 < t <= e for t, e in zip(result.ttft_s, result.e2e_s, strict=True))
+    assert sum(result.requests_per_worker) == len(workload.requests)
+    for w in sim.workers:
+        w.cache.check_integrity()
+        assert w.reserved == 0 and w.cache.protected_size() == 0
+        assert w.cache.total_size() <= w.capacity_blocks
+
+
+def test_same_seed_same_result_for_random_policies():
+    workload = chat_workload(seed=3)
+    runs = [simulate(workload, SimConfig(workers=4, kv_tokens=60 * 128, policy=p, seed=7),
+                     PROFILE) for p in ("random", "random", "power_of_two", "power_of_two")]
+    assert runs[0] == runs[1]
+    assert runs[2] == runs[3]
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_pooled_hit_rate_bounds_every_policy(policy):
+    workload = chat_workload(seed=1)
+    kv_tokens = 50 * 128
+    result = simulate(workload, SimConfig(workers=4, kv_tokens=kv_tokens, policy=policy), PROFILE)
+    pooled = pooled_hit_rate(workload, kv_tokens * 4)
+    assert 0 <= summarize(result)["hit_rate"] <= pooled + 1e-9
+
+
+def test_cost_routing_beats_round_robin_on_shared_prefixes():
+    workload = shared_prefix()
+    hits = {p: summarize(simulate(workload, SimConfig(workers=4, policy=p), PROFILE))["hit_rate"]
+            for p in ("cost", "round_robin")}
+    assert hits["cost"] > hits["round_robin"] + 0.1
+
+
+def test_report_has_the_design_keys():
+    workload = shared_prefix(groups=2)
+    results = [simulate(workload, SimConfig(workers=2, policy=p), PROFILE)
+               for p in ("cost", "round_robin")]
+    report = build_report(results, 0.5)
+    assert set(report) == {"cost", "round_robin", "pooled_hit_rate"}
+    for name in ("cost", "round_robin"):
+        assert set(POLICY_KEYS) <= set(report[name])
+        assert report[name]["ttft_p50"] <= report[name]["ttft_p99"]
+        assert report[name]["load_max_over_mean"] >= 1.0
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    add_simulate_args(parser)
+    return run_simulate(parser.parse_args(argv))
+
+
+def test_cli_json_is_one_object_and_deterministic(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    write_trace(trace, chat_workload(seed=5))
+    argv = ["--trace", str(trace), "--workers", "3", "--kv-tokens", "20000", "--policy",
+            "cost,random", "--json", "--no-progress", "--seed", "4", "--speed", "2"]
+    assert _cli(argv) == 0
+    first = capsys.readouterr().out
+    report = json.loads(first)
+    assert set(report) == {"cost", "random", "pooled_hit_rate"}
+    assert all(k in report["cost"] for k in POLICY_KEYS)
+    assert _cli(argv) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_cli_table_plot_and_bad_arguments(tmp_path, capsys):
+    png = tmp_path / "out.png"
+    argv = ["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "4",
+            "--workers", "2", "--policy", "cost,round_robin", "--plot", str(png),
+            "--no-progress"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "pooled hit rate" in out and "round_robin" in out
+    assert png.stat().st_size > 1000
+    assert _cli(["--workload", "shared-prefix", "--policy", "nope", "--no-progress"]) == 2
+    assert _cli(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert "radixray simulate" in capsys.readouterr().err
