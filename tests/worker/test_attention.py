@@ -98,3 +98,10 @@ def test_make_attention_names():
     assert make_attention("torch").name == "torch"
     with pytest.raises(ValueError):
         make_attention("no-such-backend")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+def test_gpu_backends_refuse_to_load_without_cuda(name):
+    with pytest.raises(ImportError):
+        make_attention(name)
