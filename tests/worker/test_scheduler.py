@@ -1,0 +1,144 @@
+"""Scheduling under pressure: aborts at every stage, preemption, prefix-aware queue order."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.engine import Engine, EngineConfig
+from worker.offline import run_to_completion
+from worker.protocol import GenerateRequest, SamplingParams
+
+
+def greedy(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def checked(engine: Engine, step: int) -> None:
+    engine.check_integrity()
+
+
+def assert_idle_clean(engine: Engine) -> None:
+    s = engine.stats()
+    assert (s.running, s.waiting, s.kv_protected, s.kv_session) == (0, 0, 0, 0)
+    assert s.kv_free + s.kv_evictable == s.kv_total
+    engine.check_integrity()
+
+
+def make(**kw) -> Engine:
+    kw.setdefault("kv_tokens", 4096)
+    return Engine(EngineConfig(**kw))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_abort_mid_prefill_chunk_frees_everything(page_size):
+    engine = make(prefill_budget=24, page_size=page_size)
+    engine.add_request(GenerateRequest("a", prompt(100, 1), greedy()))
+    engine.add_request(GenerateRequest("b", prompt(100, 1)[:60] + prompt(20, 2), greedy()))
+    for _ in range(3):
+        assert engine.step() == []  # still prefilling: no tokens yet
+        engine.check_integrity()
+    engine.abort("a")
+    out = run_to_completion(engine, after_step=checked)
+    assert out["a"].finish_reason == "abort" and out["a"].token_ids == []
+    assert out["b"].finish_reason == "length"
+    assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_abort_mid_decode_and_while_waiting(page_size):
+    engine = make(page_size=page_size, max_running=1)
+    engine.add_request(GenerateRequest("a", prompt(40, 3), greedy(30)))
+    engine.add_request(GenerateRequest("w", prompt(40, 4), greedy(30)))
+    got = []
+    for _ in range(5):
+        got += [t for c in engine.step() for t in c.token_ids]
+        engine.check_integrity()
+    assert engine.stats().waiting == 1
+    engine.abort("w")
+    engine.abort("a")
+    engine.abort("unknown")  # ignored
+    chunks = engine.step()
+    assert sorted((c.request_id, c.finish_reason) for c in chunks) == [
+        ("a", "abort"),
+        ("w", "abort"),
+    ]
+    assert len(got) == 5 and not engine.has_work()
+    assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_preemption_under_a_too_small_pool_gives_the_same_outputs(page_size):
+    ps = [prompt(60, 10 + i) for i in range(6)]
+    reqs = lambda: [GenerateRequest(f"r{i}", p, greedy(40)) for i, p in enumerate(ps)]  # noqa: E731
+    roomy = run_to_completion(make(page_size=page_size), reqs())
+    small = make(kv_tokens=256, page_size=page_size, prefill_budget=64)
+    tight = run_to_completion(small, reqs(), after_step=checked)
+    assert small.scheduler.num_retracted > 0
+    for rid, done in roomy.items():
+        assert tight[rid].token_ids == done.token_ids and tight[rid].finish_reason == "length"
+    assert_idle_clean(small)
+
+
+def test_waiting_queue_prefers_the_longest_cached_prefix():
+    engine = make(max_running=1)
+    hot = prompt(64, 20)
+    run_to_completion(engine, [GenerateRequest("warm", hot + [7], greedy(2))])
+    engine.add_request(GenerateRequest("busy", prompt(10, 21), greedy(3)))
+    engine.step()  # busy holds the only row
+    engine.add_request(GenerateRequest("cold", prompt(64, 22), greedy(2)))
+    engine.add_request(GenerateRequest("hit", hot + [9], greedy(2)))
+    order = []
+    while engine.has_work():
+        for c in engine.step():
+            if c.request_id not in order:
+                order.append(c.request_id)
+    assert order.index("hit") < order.index("cold")
+
+
+def test_aging_admits_a_starving_request_first():
+    engine = make(max_running=1, aging_steps=3)
+    hot = prompt(64, 30)
+    run_to_completion(engine, [GenerateRequest("warm", hot + [7], greedy(2))])
+    engine.add_request(GenerateRequest("busy", prompt(10, 31), greedy(6)))
+    engine.step()
+    engine.add_request(GenerateRequest("cold", prompt(64, 32), greedy(2)))
+    for _ in range(4):  # cold waits longer than aging_steps while busy runs
+        engine.step()
+    engine.add_request(GenerateRequest("hit", hot + [9], greedy(2)))
+    order = []
+    while engine.has_work():
+        for c in engine.step():
+            if c.request_id not in order:
+                order.append(c.request_id)
+    assert order.index("cold") < order.index("hit")
+
+
+def test_many_requests_with_aborts_and_pressure_never_leak():
+    rng = random.Random(5)
+    engine = make(kv_tokens=320, page_size=4, prefill_budget=40, max_running=6)
+    base = prompt(48, 40)
+    reqs = [
+        GenerateRequest(
+            f"m{i}",
+            base[: rng.randrange(8, 48)] + prompt(rng.randrange(1, 30), i),
+            greedy(rng.randrange(1, 25)),
+        )
+        for i in range(24)
+    ]
+
+    def chaos(engine: Engine, step: int) -> None:
+        engine.check_integrity()
+        if step % 7 == 3:
+            engine.abort(f"m{step // 7 * 3}")
+
+    out = run_to_completion(engine, reqs, after_step=chaos)
+    assert {c.finish_reason for c in out.values()} <= {"length", "abort"}
+    assert sum(c.finish_reason == "abort" for c in out.values()) >= 2
+    assert_idle_clean(engine)
