@@ -59,6 +59,7 @@ class FakeWorker(Backend):
         self.max_context = max_context
         self.dead = False
         self.die_after: int | None = None  # next request: die after this many tokens
+        self.fault: dict | None = None
         self.parent: dict[int, int | None] = {}  # cached block hash -> the block before it
         self.epoch, self.seq = 1, 0
         self.batches: list[tuple[int, bytes]] = []
@@ -110,6 +111,8 @@ class FakeWorker(Backend):
         self.requests.append(request)
         rid, s = request.request_id, request.sampling
         die_after, self.die_after = self.die_after, None
+        if self.fault is not None and "after" in self.fault:
+            die_after = self.fault.pop("after")  # shared by several fakes: the first one dies
         context = request.input_ids + request.resume_ids
         cached = self.cached_tokens(context, request.namespace)
         produced, out = len(request.resume_ids), []
