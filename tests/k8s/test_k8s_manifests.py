@@ -107,11 +107,30 @@ def test_rayservice_upgrades_with_zero_downtime(rendered: dict, kube: Any) -> No
         assert strategy in ("NewCluster", "NewClusterWithIncrementalUpgrade")
 
 
+def _unknown_serve_keys(config: dict[str, Any]) -> list[str]:
+    """Keys Ray Serve's config schema does not define (it ignores them silently)."""
+    from ray.serve import schema
+
+    def unknown(values: dict[str, Any], model: Any, where: str) -> list[str]:
+        return [f"{where}.{k}" for k in values if k not in model.model_fields]
+
+    found = unknown(config, schema.ServeDeploySchema, "")
+    found += unknown(config.get("http_options", {}), schema.HTTPOptionsSchema, "http_options")
+    for app in config.get("applications", []):
+        found += unknown(app, schema.ServeApplicationSchema, "applications[]")
+        for deployment in app.get("deployments", []):
+            found += unknown(deployment, schema.DeploymentSchema, "deployments[]")
+            options = deployment.get("ray_actor_options", {})
+            found += unknown(options, schema.RayActorOptionsSchema, "ray_actor_options")
+    return found
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic models
 def test_serve_config_is_a_valid_ray_serve_config(rendered: dict, kube: Any) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     for service in (r for rs in rendered.values() for r in kube.of_kind(rs, "RayService")):
+        assert _unknown_serve_keys(kube.serve_config(service)) == []
         config = ServeDeploySchema.model_validate(kube.serve_config(service))
         (app,) = config.applications
         assert app.import_path == "cluster.serve_app:build_app"
@@ -178,3 +197,11 @@ def test_ray_version_matches_the_images(rendered: dict, kube: Any) -> None:
     for resources in rendered.values():
         for ray in (r for r in resources if r.get("kind") in RAY_KINDS):
             assert kube.cluster_spec(ray)["rayVersion"] in versions
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_misspelled_serve_config_key_is_caught() -> None:
+    config = {"applications": [{"name": "a", "import_path": "m:f", "route_prefx": "/",
+                                "deployments": [{"name": "D", "ray_actor_option": {}}]}]}
+    assert _unknown_serve_keys(config) == ["applications[].route_prefx",
+                                           "deployments[].ray_actor_option"]
