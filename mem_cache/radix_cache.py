@@ -255,6 +255,7 @@ class RadixCache:
             return
         if node.parent is None:
             raise ValueError("lock(): the node was evicted")
+        node.locks_here += 1
         while node is not self.root:
             if node.lock_ref == 0:
                 self._evictable -= len(node)
@@ -263,11 +264,13 @@ class RadixCache:
             node = node.parent  # type: ignore[assignment]
 
     def unlock(self, node: TreeNode) -> None:
-        """Release one `lock(node)`. Raises `ValueError`, changing nothing, if it has none."""
+        """Release one `lock(node)`. Raises `ValueError`, changing nothing, if `node` holds no
+        lock of its own (a lock taken on a descendant is released through the descendant)."""
         if node is self.root:
             return
-        if node.lock_ref <= 0:
+        if node.locks_here <= 0:
             raise ValueError("unlock(): the node is not locked")
+        node.locks_here -= 1
         leaf = node
         while node is not self.root:
             node.lock_ref -= 1

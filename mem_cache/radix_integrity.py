@@ -58,7 +58,11 @@ def _check_node(cache: RadixCache, parent: TreeNode, key: object, node: TreeNode
     if parent is not cache.root:
         assert node.namespace == parent.namespace, "namespaces: a node shares another's path"
         assert parent.lock_ref >= node.lock_ref, "locks: parent count below a child's"
-    assert node.lock_ref >= 0, "locks: negative lock count"
+    assert node.lock_ref >= 0 and node.locks_here >= 0, "locks: negative lock count"
+    below = sum(child.lock_ref for child in node.children.values())
+    assert node.lock_ref == node.locks_here + below, (
+        "locks: count != locks ending here + children's counts"
+    )
     if node.value is not None:
         assert len(node.value) * page == length, "values: page count != token count / page"
         assert node.value.dtype == np.int64, "values: page ids must be int64"

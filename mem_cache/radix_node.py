@@ -31,6 +31,7 @@ class TreeNode:
         "hashes",
         "hash_state",
         "lock_ref",
+        "locks_here",
         "last_access",
         "heap_seq",
         "host_value",
@@ -57,7 +58,8 @@ class TreeNode:
         self.start = start
         self.hashes = hashes
         self.hash_state = hash_state
-        self.lock_ref = 0
+        self.lock_ref = 0  # locks on paths through this node
+        self.locks_here = 0  # of which end at this node (only these may be unlocked here)
         self.last_access = last_access
         self.heap_seq = -1  # sequence number of this node's live eviction-heap entry, -1 if none
         self.host_value: np.ndarray | None = None  # slot ids in the host tier (issue 8)
