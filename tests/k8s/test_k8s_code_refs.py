@@ -224,3 +224,33 @@ def test_dockerignore_keeps_what_the_images_copy(dockerfile: list, kube: Any) ->
         if instruction == "COPY":
             for path in (w for w in args.split()[:-1] if not w.startswith("--")):
                 assert path in allowed, f".dockerignore drops {path}"
+
+
+def test_head_command_starts_ray_then_execs_the_router(
+    rendered: dict, kube: Any, tmp_path: Any
+) -> None:
+    """Runs each RayCluster head's shell command with stand-ins for `ray` and `radixray`."""
+    import os
+    import subprocess
+
+    bash = shutil.which("bash")
+    if bash is None:
+        pytest.skip("no bash")
+    for name in ("ray", "radixray"):
+        stub = tmp_path / name
+        stub.write_text(f'#!/bin/sh\necho "{name} $*" >> "$CALLS"\n')
+        stub.chmod(0o755)
+    for overlay, cluster in _clusters(rendered, kube):
+        calls = tmp_path / f"{overlay}.calls"
+        head = kube.head_container(cluster)
+        assert head["command"][:2] == ["/bin/bash", "-lc"]
+        env = {
+            "PATH": f"{tmp_path}:{os.environ['PATH']}", "CALLS": str(calls),
+            "KUBERAY_GEN_RAY_START_CMD": "ray start --head --block --num-cpus=0 "
+                                         "--resources='{\"a\": 1}'",
+        }
+        subprocess.run([bash, "-c", *head["command"][2:], *head["args"]], env=env,
+                       check=True, capture_output=True, timeout=30)
+        ray_call, serve_call = calls.read_text().splitlines()
+        assert ray_call == 'ray start --head --num-cpus=0 --resources={"a": 1}'
+        assert serve_call == "radixray serve " + " ".join(kube.head_serve_argv(cluster))
