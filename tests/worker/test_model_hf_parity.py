@@ -43,6 +43,9 @@ CONFIGS = {
             "original_max_position_embeddings": 128,
         },
     ),  # fmt: skip
+    "llama_dynamic_rope": lambda: transformers.LlamaConfig(
+        **SHAPE, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    ),
     "llama_biases": lambda: transformers.LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True),
     "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=24),

@@ -100,6 +100,16 @@ def test_transformers4_and_5_config_keys_agree():
     }
 
 
+def test_rope_types():
+    base = {**SHAPE, "architectures": ["LlamaForCausalLM"]}
+    dynamic = {**base, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}
+    dynamic["rope_parameters"]["original_max_position_embeddings"] = 128
+    cfg = ModelConfig.from_hf(dynamic, "m")
+    assert cfg.rope_scaling is None and cfg.max_context == 128  # exact only up to there
+    with pytest.raises(ValueError, match="rope"):
+        ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope"}}, "m")
+
+
 def test_config_details(tmp_path):
     save_llama(tmp_path, eos_token_id=2)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))

@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -34,7 +36,8 @@ class ModelConfig:
     """A Llama-family decoder's shape. Defaults are Llama's.
 
     `rope_scaling` is None for plain RoPE, else a dict with `rope_type` ("linear", "llama3",
-    "yarn", "dynamic") and that type's parameters. `max_context` is the longest sequence the
+    "yarn") and that type's parameters ("dynamic" NTK becomes plain RoPE up to its original
+    length, where the two agree). `max_context` is the longest sequence the
     model serves exactly: `max_position_embeddings`, capped at `sliding_window` when the model
     uses one (this decoder attends over the full context, so longer would differ from HF).
     """
@@ -82,6 +85,12 @@ class ModelConfig:
         window = _sliding_window(hf, model_type)
         if window:
             max_context = min(max_context, window)
+        if scaling is not None and scaling["rope_type"] == "dynamic":
+            # Dynamic NTK equals plain RoPE up to the original length; beyond it the
+            # frequencies would depend on the longest sequence so far, which a shared KV cache
+            # cannot honour. So: plain RoPE, served up to the original length.
+            max_context = min(max_context, int(scaling["original_max_position_embeddings"]))
+            scaling = None
         return cls(
             name=name,
             model_type=model_type,
@@ -128,6 +137,8 @@ def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type == "default":
         return theta, None
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; supported: {ROPE_TYPES}")
     scaling["rope_type"] = rope_type
     scaling.pop("type", None)
     if rope_type in ("llama3", "yarn", "dynamic"):

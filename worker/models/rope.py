@@ -1,9 +1,8 @@
 """Rotary position embedding (the "rotate half" layout HF Llama checkpoints use), with scaling.
 
 Scaling types: `linear` (positions divided by `factor`), `llama3` (Llama 3.1's per-frequency
-blend), `yarn` (NTK-by-parts blend plus an attention factor on cos/sin). `dynamic` NTK is not
-supported: its frequencies depend on the longest sequence seen, which a KV cache shared across
-requests cannot honour.
+blend), `yarn` (NTK-by-parts blend plus an attention factor on cos/sin). `dynamic` NTK never
+reaches here: `ModelConfig` serves it as plain RoPE within its original length.
 """
 
 from __future__ import annotations
