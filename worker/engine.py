@@ -241,9 +241,11 @@ class Engine:
         )
 
     def _measure(self, seconds: float, prefill_tokens: int) -> None:
-        """Exponential moving averages of prefill speed and decode step time."""
+        """Moving averages of prefill speed (net of the decode work sharing the step, as the
+        router's cost model wants it) and of the time of a decode-only step."""
         if prefill_tokens:
-            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(seconds, 1e-9))
+            net = max(seconds - self._decode_step_s, 0.5 * seconds)
+            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(net, 1e-9))
         else:
             self._decode_step_s = _ema(self._decode_step_s, seconds)
 

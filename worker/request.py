@@ -49,6 +49,7 @@ class Request:
     status: Status = Status.WAITING
     arrival: float = field(default_factory=time.monotonic)
     waited_steps: int = 0  # scheduler steps spent waiting since arrival or retraction
+    cached_hint: int = 0  # cached prefix length when the waiting queue was last ordered
     # KV (module docstring)
     row: int | None = None
     num_computed: int = 0

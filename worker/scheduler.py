@@ -147,7 +147,9 @@ class Scheduler:
         aged = [r for r in self.waiting if r.waited_steps >= self.config.aging_steps]
         fresh = [r for r in self.waiting if r.waited_steps < self.config.aging_steps]
         aged.sort(key=lambda r: r.arrival)
-        fresh.sort(key=lambda r: (-self._cached_len(r), r.arrival))
+        for req in fresh:
+            req.cached_hint = self._cached_len(req)
+        fresh.sort(key=lambda r: (-r.cached_hint, r.arrival))
         return aged + fresh
 
     def _cached_len(self, req: Request) -> int:
@@ -156,8 +158,9 @@ class Scheduler:
         return radix.match_prefix(req.tokens[: len(req.tokens) - 1], req.namespace).length
 
     def waiting_prefill_tokens(self) -> int:
-        """Tokens still to prefill: whole prompts of waiting requests, rest of running ones."""
-        waiting = sum(len(r.tokens) for r in self.waiting)
+        """Tokens still to prefill: waiting prompts less their cached prefix as last seen by
+        the queue ordering, plus the rest of running prefills."""
+        waiting = sum(len(r.tokens) - r.cached_hint for r in self.waiting)
         running = sum(r.remaining for r in self.running if r.remaining > 1)
         return waiting + running
 
