@@ -117,7 +117,7 @@ class RayBackend(Backend):
 def _task_error(exc: Exception) -> Exception:
     """A worker-side exception: ValueError means a rejected request, anything else a failure."""
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, ValueError):
+    if isinstance(cause, ValueError) or isinstance(exc, ValueError):
         return BackendRequestError(str(cause))
     return BackendDead(str(exc))
 

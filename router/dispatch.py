@@ -71,6 +71,7 @@ class Dispatch:
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self._routed = False
+        self._resumed = False  # a failover happened after the first token
 
     async def start(self) -> None:
         self._first = await self._attempt()
@@ -148,6 +149,10 @@ class Dispatch:
         chunk = self._first
         self._first = None
         while chunk is not None:
+            if self.worker_id == self.first_worker and not self._resumed:
+                # some servers (HTTP) report the prefix hit only with the last chunk
+                cached = min(chunk.cached_tokens, len(self.request.input_ids))
+                self.cached_tokens = max(self.cached_tokens, cached)
             self.tokens.extend(chunk.token_ids)
             if chunk.finish_reason is None and len(self.tokens) >= self.request.sampling.max_tokens:
                 chunk.finish_reason = "length"  # a resumed worker may not know the budget spent
@@ -167,6 +172,7 @@ class Dispatch:
             return chunk
         except (BackendDead, StopAsyncIteration) as exc:
             self._fail(exc)
+        self._resumed = True
         return await self._attempt()
 
     def _finish(self) -> None:

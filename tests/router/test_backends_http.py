@@ -1,0 +1,96 @@
+"""HttpBackend: a radixray router fronting another OpenAI-compatible server over HTTP.
+
+The server behind is itself a radixray app over a FakeWorker (app_testkit; it stands in for a
+worker), which speaks the vLLM-style `return_token_ids` extension the backend relies on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_testkit import FakeWorker, LiveServer, free_port, tiny_dir  # noqa: E402
+
+from router.app import create_app  # noqa: E402
+from router.backends import BackendDead, HttpBackend  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
+from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(tiny_dir())
+
+
+@pytest.fixture(scope="module")
+def upstream(tokenizer):
+    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01), [FakeWorker("up0")],
+                     tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def front(tokenizer, upstream):
+    dead = HttpBackend("gone", f"http://127.0.0.1:{free_port()}")
+    live = HttpBackend("h0", upstream.url, encode=tokenizer.encode)
+    app = create_app(RouterConfig(model="tiny"), [dead, live], tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        server.router = app.state.router
+        yield server
+
+
+def test_generate_streams_token_ids_and_usage(upstream, tokenizer):
+    backend = HttpBackend("h", upstream.url)
+    ids = tokenizer.encode("a prompt long enough to fill at least one block of tokens")
+
+    async def run():
+        await backend.ready()
+        request = GenerateRequest("r1", ids, SamplingParams(max_tokens=7, logprobs=1))
+        chunks = [c async for c in backend.generate(request)]
+        await backend.close()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert sum(len(c.token_ids) for c in chunks) == 7
+    assert chunks[-1].finish_reason == "length" and chunks[-1].prompt_tokens == len(ids)
+    assert all(c.logprobs and len(c.logprobs) == len(c.token_ids) for c in chunks)
+
+
+def test_unreachable_server_is_backend_dead():
+    backend = HttpBackend("x", f"http://127.0.0.1:{free_port()}")
+
+    async def run():
+        try:
+            with pytest.raises(BackendDead):
+                await backend.ready()
+            with pytest.raises(BackendDead):
+                async for _ in backend.generate(GenerateRequest("r", [1, 2, 3])):
+                    pass
+        finally:
+            await backend.close()
+
+    asyncio.run(run())
+
+
+def test_router_in_front_gives_the_same_tokens_as_the_server(front, upstream):
+    assert front.router.workers.state("gone") == "dead"
+    kwargs = dict(model="tiny", prompt="same answer through two routers " * 3, max_tokens=12)
+    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x").completions.create(
+        **kwargs)
+    client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0)
+    raw = client.completions.with_raw_response.create(**kwargs)
+    assert raw.headers["x-radixray-worker"] == "h0"
+    via = raw.parse()
+    assert via.choices[0].text == direct.choices[0].text
+    streamed = client.completions.create(stream=True, **kwargs)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == direct.choices[0].text
+    # the upstream worker cached the prompt: its reuse reaches the front router's usage
+    again = client.completions.create(**kwargs)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16
