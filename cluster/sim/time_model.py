@@ -101,13 +101,14 @@ def h100_llama3_8b() -> TimeProfile:
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
-    """One measured step (or a measured span divided into steps): inputs and seconds."""
+    """A measured span of `steps` steps: their summed inputs and total seconds."""
 
     prefill_tokens: int
     attended_pairs: float
     decode_batch: int
     decode_context: int
     seconds: float
+    steps: int = 1
 
 
 def fit_profile(samples: list[StepSample], base: TimeProfile | None = None) -> TimeProfile:
@@ -119,7 +120,7 @@ def fit_profile(samples: list[StepSample], base: TimeProfile | None = None) -> T
     if len(samples) < 2:
         raise ValueError("need at least two samples to fit a profile")
     x = np.array(
-        [[1.0, s.prefill_tokens + s.decode_batch, s.attended_pairs, s.decode_context]
+        [[s.steps, s.prefill_tokens + s.decode_batch, s.attended_pairs, s.decode_context]
          for s in samples]
     )
     y = np.array([s.seconds for s in samples])
@@ -127,10 +128,10 @@ def fit_profile(samples: list[StepSample], base: TimeProfile | None = None) -> T
     base = base or TimeProfile()
     values = asdict(base) | {
         "name": f"fitted-{base.name}",
-        "base_s": coef[0],
-        "token_s": coef[1],
-        "attn_pair_s": coef[2],
-        "kv_read_s": coef[3],
+        "base_s": float(coef[0]),
+        "token_s": float(coef[1]),
+        "attn_pair_s": float(coef[2]),
+        "kv_read_s": float(coef[3]),
     }
     return TimeProfile(**values)
 

@@ -110,3 +110,17 @@ def test_bench_rate_is_bounded_by_count(fake_url, capsys):
     code, s = _bench(argv, capsys)
     assert code == 0 and s["completed"] == 7
     assert s["ttft"]["p50"] == pytest.approx(s["e2e"]["p50"], rel=0.5)
+
+
+def test_fit_writes_a_profile_from_a_live_worker(fake_url, tmp_path):
+    from cluster.sim.fit import main as fit_main
+    from cluster.sim.time_model import TimeProfile
+
+    out = tmp_path / "fitted.json"
+    argv = ["--url", fake_url, "--out", str(out), "--lengths", "16,128", "--batches", "1,3",
+            "--repeats", "1", "--prefill-budget", "64"]
+    assert fit_main(argv) == 0
+    profile = TimeProfile.load(out)
+    assert profile.prefill_budget == 64 and profile.name.startswith("fitted:")
+    coefs = (profile.base_s, profile.token_s, profile.attn_pair_s, profile.kv_read_s)
+    assert all(c >= 0 for c in coefs) and any(c > 0 for c in coefs)
