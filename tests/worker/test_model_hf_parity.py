@@ -127,3 +127,7 @@ def test_logits_indices_select_rows(tmp_path):
     last = model(tokens, positions, batch, pool, torch.tensor([7, 2]))
     assert last.dtype == torch.float32 and last.shape == (2, cfg.vocab_size)
     torch.testing.assert_close(last, full[[7, 2]])
+    last -= 1.0  # samplers edit logits in place: they must not be inference tensors
+    batch = AttentionBatch([8], [8], torch.arange(8), [torch.arange(8)])
+    none = model(tokens, positions, batch, pool, torch.tensor([], dtype=torch.int64))
+    assert none.shape == (0, cfg.vocab_size)  # a prefill chunk that samples nothing

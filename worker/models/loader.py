@@ -29,7 +29,8 @@ def load_model(
     """The model in `path` (an HF directory or a built-in name such as "tiny") on `device`.
 
     `dtype` None keeps the checkpoint's dtype (`dtype`/`torch_dtype` in config.json, float32
-    when absent). The model is in eval mode; its forward runs under inference mode.
+    when absent). The model is in eval mode; its forward runs without autograd (no_grad, not
+    inference_mode, so callers may edit the returned logits in place).
     """
     path = resolve_model(str(path))
     config = ModelConfig.from_dir(path)
