@@ -148,31 +148,31 @@ class RoutingCore:
         `expected_output` is the router's guess of output tokens (e.g. max_tokens, capped).
         """
         now = self.clock()
-        self.index.expire()
         self.ledger.release(request_id, now)
-        candidates = [
-            v for v in self._views.values() if not v.draining and v.worker_id not in exclude
-        ]
-        if not candidates:
-            raise NoWorkerError("no worker available")
-        match = self.index.match(hashes)
-        for view in candidates:
-            view.matched_blocks = match.device.get(view.worker_id, 0)
-            view.host_blocks = match.host.get(view.worker_id, 0)
-            self._fill_load(view, now)
-        request = RouteRequest(
-            request_id, num_tokens, len(hashes), expected_output, self.config.block_size, session_id
+        request, decision = self._decide(
+            request_id, hashes, num_tokens, expected_output, session_id, exclude, now
         )
-        decision = self.policy.choose(request, candidates)
-        if session_id is not None:
-            decision = self._follow_pin(request, session_id, decision, candidates)
         view = self._views[decision.worker_id]
-        decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
         self.ledger.book(self._booking(request, view, decision, hashes), now)
         self.index.record_route(decision.worker_id, hashes)
         if session_id is not None:
             self.sessions.pin(session_id, decision.worker_id)
         return decision
+
+    def decide(
+        self,
+        request_id: str,
+        hashes: Sequence[int],
+        num_tokens: int,
+        expected_output: int,
+        session_id: str | None = None,
+        exclude: Collection[str] = (),
+    ) -> Decision:
+        """What `route` would choose, with no booking, no index entry and no pin (a dry run)."""
+        now = self.clock()
+        return self._decide(
+            request_id, hashes, num_tokens, expected_output, session_id, exclude, now
+        )[1]
 
     def finish(self, request_id: str, cached_tokens: int | None = None) -> Booking | None:
         """Release a request's booking (done, aborted or failed); unknown ids return None.
@@ -197,6 +197,38 @@ class RoutingCore:
         return len(self.index)
 
     # --- helpers ---------------------------------------------------------------------------
+
+    def _decide(
+        self,
+        request_id: str,
+        hashes: Sequence[int],
+        num_tokens: int,
+        expected_output: int,
+        session_id: str | None,
+        exclude: Collection[str],
+        now: float,
+    ) -> tuple[RouteRequest, Decision]:
+        """Match, fill the candidates' views, run the policy, then follow the session pin."""
+        self.index.expire()
+        candidates = [
+            v for v in self._views.values() if not v.draining and v.worker_id not in exclude
+        ]
+        if not candidates:
+            raise NoWorkerError("no worker available")
+        match = self.index.match(hashes)
+        for view in candidates:
+            view.matched_blocks = match.device.get(view.worker_id, 0)
+            view.host_blocks = match.host.get(view.worker_id, 0)
+            self._fill_load(view, now)
+        request = RouteRequest(
+            request_id, num_tokens, len(hashes), expected_output, self.config.block_size, session_id
+        )
+        decision = self.policy.choose(request, candidates)
+        if session_id is not None:
+            decision = self._follow_pin(request, session_id, decision, candidates)
+        view = self._views[decision.worker_id]
+        decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
+        return request, decision
 
     def _fill_load(self, view: WorkerView, now: float) -> WorkerView:
         load = self.ledger.load(view.worker_id, now)

@@ -11,7 +11,7 @@ both slowed by the decode work that rides along every chunk:
 
 `slot_wait_s` is the wait for a running slot once `max_running` requests run.
 
-The `cost` policy minimises `score_s` = ttft + compute_weight x own prefill time (see there).
+The `cost` policy minimises `scores` = ttft + compute_weight x own prefill time (see there).
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
 once the worker has measured them; until then the priors below stand in (their step time grows
@@ -21,8 +21,9 @@ router only) and the worker's reported waiting prefill (late, every router).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from router.policies import RouteRequest, WorkerView
@@ -38,7 +39,24 @@ class CostConfig:
     prefill_budget: int = 512  # prompt tokens per engine step (chunked prefill)
     host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
-    compute_weight: float = 0.5  # `score_s`: seconds of score per second of prefill this adds
+    compute_weight: float = 0.5  # `scores`: seconds of score per second of prefill it adds
+
+
+class Speeds(NamedTuple):
+    """A worker's speeds right now: its load, raw and effective prefill speed, step time."""
+
+    load: int  # running requests, booked or reported (`WorkerView.load`)
+    prefill_tokens_per_s: float  # with no decode alongside
+    effective_tokens_per_s: float  # with its running requests decoding alongside
+    step_s: float  # one decode step of its running batch
+
+
+class Estimate(NamedTuple):
+    """Predicted seconds for one request on one worker; their sum is the TTFT."""
+
+    wait_s: float  # prefill queued ahead + wait for a running slot
+    prefill_s: float  # its own prefill, cached prefix skipped, host hit loaded back
+    step_s: float  # the step that emits its first token
 
 
 class CostModel:
@@ -47,35 +65,96 @@ class CostModel:
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
 
-    def prefill_speed(self, view: WorkerView) -> float:
-        """Prompt tokens per second of the worker with no decode running alongside."""
-        stats = view.stats
-        if stats is not None and stats.prefill_tokens_per_s > 0:
-            return stats.prefill_tokens_per_s
-        return self.config.prefill_tokens_per_s
-
-    def step_s(self, view: WorkerView) -> float:
-        """Time of one decode step of the worker's running batch.
+    def speeds(self, view: WorkerView) -> Speeds:
+        """Measured speeds where the worker reported them, priors otherwise.
 
         A measured step time covers the batch the worker reported; requests booked since then
         (more than it reported) each add the prior per-request growth.
         """
-        cfg, stats = self.config, view.stats
-        if stats is not None and stats.decode_step_s > 0:
-            unseen = max(0, view.requests - stats.running - stats.waiting)
-            return stats.decode_step_s + cfg.decode_step_per_request_s * unseen
-        return cfg.decode_step_s + cfg.decode_step_per_request_s * view.load
+        return Speeds(*self._speeds(view))
 
-    def slot_wait_s(self, request: RouteRequest, view: WorkerView) -> float:
-        """Wait for a free running slot once the worker runs `max_running` requests: a slot
-        frees every (mean booked output x step time) / max_running seconds."""
-        over = view.load + 1 - self.config.max_running
-        if over <= 0:
-            return 0.0
-        mean_output = (
-            view.decode_tokens / view.requests if view.requests else request.expected_output
-        )
-        return over * mean_output * self.step_s(view) / self.config.max_running
+    def estimate(self, request: RouteRequest, view: WorkerView) -> Estimate:
+        """The request's predicted wait, own prefill and first step on the worker."""
+        return Estimate(*self._estimate(request, view))
+
+    def cached_tokens(self, request: RouteRequest, view: WorkerView) -> tuple[int, int]:
+        """(device hit, host hit) in tokens; at least one prompt token is always computed."""
+        limit = max(0, request.num_tokens - 1)
+        device = min(view.matched_blocks * request.block_size, limit)
+        return device, min(view.host_blocks * request.block_size, limit - device)
+
+    def ttft_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Predicted time to the request's first token on the worker."""
+        wait, prefill, step = self._estimate(request, view)
+        return wait + prefill + step
+
+    def scores(self, request: RouteRequest, views: Sequence[WorkerView]) -> list[float]:
+        """What `cost` minimises, per view: TTFT plus `compute_weight` x the prefill it adds.
+
+        TTFT alone is myopic: when two workers promise the same TTFT, recomputing a prefix
+        the other holds burns capacity that later requests wait for, and duplicates the prefix.
+        """
+        weight = 1.0 + self.config.compute_weight
+        estimate = self._estimate
+        out = []
+        for view in views:
+            wait, prefill, step = estimate(request, view)
+            out.append(wait + weight * prefill + step)
+        return out
+
+    # The two below run once per worker per request: plain tuples and no helper calls, for speed.
+
+    def _speeds(self, view: WorkerView) -> tuple[int, float, float, float]:
+        cfg, stats, booked = self.config, view.stats, view.requests
+        speed, per_request = cfg.prefill_tokens_per_s, cfg.decode_step_per_request_s
+        if stats is None:
+            load = booked
+            step = cfg.decode_step_s + per_request * load
+        else:
+            reported = stats.running + stats.waiting
+            load = booked if booked > reported else reported
+            if stats.prefill_tokens_per_s > 0:
+                speed = stats.prefill_tokens_per_s
+            if stats.decode_step_s > 0:
+                step = stats.decode_step_s + per_request * max(0, booked - reported)
+            else:
+                step = cfg.decode_step_s + per_request * load
+        effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
+        return load, speed, effective, step
+
+    def _estimate(self, request: RouteRequest, view: WorkerView) -> tuple[float, float, float]:
+        cfg = self.config
+        load, _, effective, step = self._speeds(view)
+        limit = request.num_tokens - 1 if request.num_tokens > 0 else 0
+        device = view.matched_blocks * request.block_size
+        device = device if device < limit else limit
+        host = view.host_blocks * request.block_size
+        host = host if host < limit - device else limit - device
+        prefill = (request.num_tokens - device - host) / effective
+        if host:
+            prefill += host / cfg.host_load_tokens_per_s
+        wait = view.queue_s
+        stats = view.stats
+        if stats is not None and stats.waiting_prefill_tokens > wait * effective:
+            wait = stats.waiting_prefill_tokens / effective
+        over = load + 1 - cfg.max_running
+        if over > 0:  # a slot frees every (mean output x step) / max_running seconds
+            requests = view.requests
+            mean_output = view.decode_tokens / requests if requests else request.expected_output
+            wait += over * mean_output * step / cfg.max_running
+        return wait, prefill, step
+
+    def prefill_s(self, request: RouteRequest, view: WorkerView) -> float:
+        """Time of the request's own prefill on the worker, its cached prefix skipped."""
+        return self._estimate(request, view)[1]
+
+    def queue_s(self, view: WorkerView) -> float:
+        """Time until the prefill queued ahead of a new request (booked or reported) is done."""
+        stats = view.stats
+        if stats is None or stats.waiting_prefill_tokens <= 0:
+            return view.queue_s
+        reported = stats.waiting_prefill_tokens / self._speeds(view)[2]
+        return max(view.queue_s, reported)
 
     def eviction_s(self, request: RouteRequest, view: WorkerView) -> float:
         """Recompute time of cached tokens the worker must evict to fit the request (0 when
@@ -83,50 +162,7 @@ class CostModel:
         stats = view.stats
         if stats is None or stats.kv_total <= 0:
             return 0.0
-        device, host = self.cached_tokens(request, view)
+        device, _ = self.cached_tokens(request, view)
         need = request.num_tokens - device + request.expected_output
         evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
-        return evicted / self.prefill_speed(view)
-
-    def effective_speed(self, view: WorkerView) -> float:
-        """Prompt tokens per second while the worker's running requests decode alongside."""
-        speed = self.prefill_speed(view)
-        if view.load == 0:
-            return speed
-        return speed / (1.0 + self.step_s(view) * speed / self.config.prefill_budget)
-
-    def cached_tokens(self, request: RouteRequest, view: WorkerView) -> tuple[int, int]:
-        """(device hit, host hit) in tokens; at least one prompt token is always computed."""
-        limit = max(0, request.num_tokens - 1)
-        device = min(view.matched_blocks * request.block_size, limit)
-        host = min(view.host_blocks * request.block_size, limit - device)
-        return device, host
-
-    def prefill_s(self, request: RouteRequest, view: WorkerView) -> float:
-        """Time of the request's own prefill on the worker, its cached prefix skipped."""
-        device, host = self.cached_tokens(request, view)
-        uncached = request.num_tokens - device - host
-        return uncached / self.effective_speed(view) + host / self.config.host_load_tokens_per_s
-
-    def queue_s(self, view: WorkerView) -> float:
-        """Time until the prefill queued ahead of a new request is done."""
-        stats = view.stats
-        reported = 0.0
-        if stats is not None and stats.waiting_prefill_tokens > 0:
-            reported = stats.waiting_prefill_tokens / self.effective_speed(view)
-        return max(view.queue_s, reported)
-
-    def ttft_s(self, request: RouteRequest, view: WorkerView) -> float:
-        """Predicted time to the request's first token on the worker."""
-        wait = self.queue_s(view) + self.slot_wait_s(request, view)
-        return wait + self.prefill_s(request, view) + self.step_s(view)
-
-    def score_s(self, request: RouteRequest, view: WorkerView) -> float:
-        """What `cost` minimises: TTFT plus `compute_weight` x the prefill work it adds.
-
-        TTFT alone is myopic: when two workers promise the same TTFT, recomputing a prefix
-        the other holds burns capacity that later requests wait for, and duplicates the prefix.
-        """
-        own = self.prefill_s(request, view)
-        wait = self.queue_s(view) + self.slot_wait_s(request, view)
-        return wait + own + self.step_s(view) + self.config.compute_weight * own
+        return evicted / self._speeds(view)[1]

@@ -62,7 +62,9 @@ class LoadLedger:
 
     def load(self, worker_id: str, now: float) -> WorkerLoad:
         """The worker's sums, with prefills predicted done by `now` aged out."""
-        load = self._loads.setdefault(worker_id, WorkerLoad())
+        load = self._loads.get(worker_id)
+        if load is None:
+            load = self._loads[worker_id] = WorkerLoad()
         ahead = load.prefill_ahead
         while ahead and ahead[0][0] <= now:
             _, _, booking = heapq.heappop(ahead)

@@ -110,12 +110,17 @@ class Policy(ABC):
         self, workers: Sequence[WorkerView], key: Callable[[WorkerView], float]
     ) -> WorkerView:
         """The worker with the least key; ties go to fewer requests, then rotate fairly."""
-        n = len(workers)
-        best = min(
-            range(n), key=lambda i: (key(workers[i]), workers[i].requests, (i - self._turn) % n)
-        )
+        return self._pick(workers, [key(w) for w in workers])
+
+    def _pick(self, workers: Sequence[WorkerView], keys: list[float]) -> WorkerView:
+        """`workers[i]` with the least `keys[i]`, ties broken as in `_argmin`."""
+        low = min(keys)
+        ties = [i for i, k in enumerate(keys) if k == low]
         self._turn += 1
-        return workers[best]
+        if len(ties) == 1:
+            return workers[ties[0]]
+        n, turn = len(workers), self._turn - 1
+        return workers[min(ties, key=lambda i: (workers[i].requests, (i - turn) % n))]
 
 
 def locality_reason(chosen: WorkerView, workers: Sequence[WorkerView]) -> str:
@@ -212,8 +217,9 @@ class E2(Policy):
             return Decision(chosen.worker_id, "exploit")
 
         def explore_cost(w: WorkerView) -> float:
-            load_s = model.queue_s(w) + model.step_s(w) * w.decode_tokens / max(1, w.load)
-            return load_s + model.eviction_s(request, w) + model.prefill_s(request, w)
+            wait, prefill, step = model.estimate(request, w)
+            decode_s = step * w.decode_tokens / max(1, w.load)
+            return wait + decode_s + model.eviction_s(request, w) + prefill
 
         return Decision(self._argmin(workers, explore_cost).worker_id, "explore")
 
@@ -224,7 +230,7 @@ class Cost(Policy):
     name = "cost"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
-        chosen = self._argmin(workers, lambda w: self.cost_model.score_s(request, w))
+        chosen = self._pick(workers, self.cost_model.scores(request, workers))
         return Decision(chosen.worker_id, locality_reason(chosen, workers))
 
 

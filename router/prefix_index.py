@@ -230,7 +230,7 @@ class PrefixIndex:
         Workers may report blocks only when a request ends, so the TTL counts from then.
         """
         worker = self._workers.get(worker_id)
-        if worker is None:
+        if worker is None or not worker.pending:
             return
         deadline = self._clock() + self.config.optimistic_ttl_s
         pending = worker.pending
