@@ -56,6 +56,16 @@ def test_sharded_checkpoint_loads(tmp_path):
     torch.testing.assert_close(prefill_logits(load_model(tmp_path), TOKENS), ref)
 
 
+def test_pytorch_bin_checkpoint_loads(tmp_path):
+    hf = save_llama(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(weights, tmp_path / "pytorch_model.bin")
+    with torch.no_grad():
+        ref = hf(torch.tensor([TOKENS])).logits[0]
+    torch.testing.assert_close(prefill_logits(load_model(tmp_path), TOKENS), ref)
+
+
 def test_tied_embeddings_share_one_tensor(tmp_path):
     hf = save_llama(tmp_path, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
