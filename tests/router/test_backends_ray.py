@@ -1,0 +1,112 @@
+"""RayBackend over a real `WorkerActor` (tiny model, CPU) on a local Ray, and the whole app on
+top of it: tokens stream, KV events reach the index, a killed actor becomes BackendDead."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+sys.path.insert(0, str(Path(__file__).parent))
+from app_testkit import LiveServer, tiny_dir  # noqa: E402
+
+from mem_cache.events import decode_batch  # noqa: E402
+from router.app import create_app  # noqa: E402
+from router.backends import BackendDead, BackendRequestError, RayBackend  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
+from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def actors():
+    from worker.actor import WorkerActor
+    from worker.engine import EngineConfig
+
+    ray.init(num_cpus=2, include_dashboard=False, address="local")
+    config = EngineConfig(model=tiny_dir(), kv_tokens=2048, max_running=8)
+    handles = [WorkerActor.options(num_cpus=0).remote(config, f"ray{i}") for i in range(2)]
+    ray.get([h.ready.remote() for h in handles], timeout=180)
+    yield handles
+    ray.shutdown()
+
+
+def test_generate_events_stats(actors):
+    backend = RayBackend("ray0", actors[0])
+    prompt = list(range(10, 60))
+
+    async def run():
+        info = await backend.ready()
+        request = GenerateRequest("rb1", prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        chunks = [c async for c in backend.generate(request)]
+        again = GenerateRequest("rb2", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        chunks2 = [c async for c in backend.generate(again)]
+        batches = await backend.kv_events(-1, -1)
+        return info, chunks, chunks2, batches, await backend.stats()
+
+    info, chunks, chunks2, batches, stats = asyncio.run(run())
+    assert info["block_size"] == 16 and info["max_context"] > 0
+    assert sum(len(c.token_ids) for c in chunks) == 6 and chunks[-1].finish_reason == "length"
+    assert chunks2[-1].cached_tokens >= 48  # the second request reused the first's prefix
+    snapshot = decode_batch(batches[0])
+    assert snapshot.worker_id == "ray0" and type(snapshot.events[0]).__name__ == "AllCleared"
+    assert stats.worker_id == "ray0" and stats.kv_total >= 2048
+
+
+def test_rejected_request_is_a_request_error(actors):
+    backend = RayBackend("ray0", actors[0])
+
+    async def run():
+        with pytest.raises(BackendRequestError):
+            async for _ in backend.generate(GenerateRequest("bad", [10**9])):
+                pass
+
+    asyncio.run(run())
+
+
+def test_app_over_ray_workers_reports_real_cache_hits(actors):
+    tokenizer = Tokenizer(tiny_dir())
+    backends = [RayBackend(f"ray{i}", h) for i, h in enumerate(actors)]
+    config = RouterConfig(model="tiny", event_poll_s=0.02)
+    app = create_app(config, backends, tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "tell me about prefix caches " * 4}]
+        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+        time.sleep(0.3)  # the router pulls the worker's KV events
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=4)
+        second = raw.parse()
+        assert first.usage.completion_tokens == 4
+        assert second.usage.prompt_tokens_details.cached_tokens >= 32
+        assert app.state.router.core.index_blocks() > 0
+        stream = client.completions.create(model="tiny", prompt="stream me", max_tokens=5,
+                                           stream=True)
+        assert sum(1 for c in stream if c.choices and c.choices[0].text is not None) >= 1
+
+
+def test_killed_actor_is_backend_dead(actors):
+    from worker.actor import WorkerActor
+    from worker.engine import EngineConfig
+
+    victim = WorkerActor.options(num_cpus=0).remote(
+        EngineConfig(model=tiny_dir(), kv_tokens=512), "victim")
+    ray.get(victim.ready.remote(), timeout=180)
+    ray.kill(victim)
+    backend = RayBackend("victim", victim)
+
+    async def run():
+        with pytest.raises(BackendDead):
+            await backend.stats()
+        with pytest.raises(BackendDead):
+            async for _ in backend.generate(GenerateRequest("v", [1, 2, 3])):
+                pass
+
+    asyncio.run(run())
