@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from mem_cache.kv_pool import KVPool
 
@@ -134,12 +135,10 @@ class _TorchPlan:
             start += q_len
         if not rows:
             return _TorchPlan(None, None, None, prefills)
-        kmax = max(s.numel() for s in decode_slots)
-        padded = torch.zeros((len(rows), kmax), dtype=torch.int64, device=device)
+        padded = pad_sequence(decode_slots, batch_first=True)  # pads with slot 0
         lens = torch.tensor([s.numel() for s in decode_slots], device=device)
-        for i, s in enumerate(decode_slots):
-            padded[i, : s.numel()] = s
-        mask = (torch.arange(kmax, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        mask = torch.arange(padded.shape[1], device=device)[None, :] < lens[:, None]
+        mask = mask[:, None, None, :]
         rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
         return _TorchPlan(rows_t, padded, mask, prefills)
 
