@@ -42,6 +42,7 @@ class RequestState:
     prefilled: int = 0  # prompt tokens done (cached ones count as done)
     generated: int = 0
     node: object = None  # locked tree node
+    node_blocks: int = 0  # prompt blocks on the locked path
     reserved: int = 0  # blocks this request holds outside the tree
     first_token_s: float = math.nan
     finish_s: float = math.nan
@@ -105,8 +106,13 @@ class SimWorker:
     # --- admission ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        limit = self.profile.max_running
+        limit, budget = self.profile.max_running, self.profile.prefill_budget
+        pending = sum(s.req.input_length - s.prefilled for s in self.prefilling)
+        # Admit only what the next step can start on: requests left waiting are matched again
+        # later, when the prefixes ahead of them are cached (as SGLang's scheduler does).
         while self.waiting and len(self.running) + len(self.prefilling) < limit:
+            if pending >= budget:
+                break
             state = self.waiting[0]
             req = state.req
             match = self.cache.match_prefix(req.blocks)
@@ -119,11 +125,12 @@ class SimWorker:
                 self.cache.unlock(match.node)
                 break
             self.waiting.pop(0)
-            state.node = match.node
+            state.node, state.node_blocks = match.node, match.length
             state.reserved = need
             self.reserved += need
             cached = cached_tokens(match.length, self.block_tokens, req.input_length)
             state.cached_tokens = state.prefilled = cached
+            pending += req.input_length - cached
             self.prefilling.append(state)
 
     # --- steps -------------------------------------------------------------------------------
@@ -188,8 +195,10 @@ class SimWorker:
         first: list[RequestState] = []
         for state, n in self.step_plan:
             state.prefilled += n
-            if state.prefilled >= state.req.input_length:
-                self._cache_prompt(state)
+            if state.prefilled < state.req.input_length:
+                self._cache_prefix(state, state.prefilled // self.block_tokens)
+            else:
+                self._cache_prefix(state, len(state.req.blocks))
                 state.first_token_s = now
                 state.generated = 1
                 first.append(state)
@@ -203,16 +212,22 @@ class SimWorker:
         self.run, self.step_plan, self.busy_until = None, [], -1.0
         return first, finished
 
-    def _cache_prompt(self, state: RequestState) -> None:
-        """Insert the prompt's blocks and move the lock to the new path end."""
-        blocks = state.req.blocks
-        before = self.cache.match_prefix(blocks).length
-        self.cache.insert(blocks, None)
+    def _cache_prefix(self, state: RequestState, n: int) -> None:
+        """Insert the first `n` prompt blocks (computed so far) and move the lock to their end.
+
+        Chunks are cached as they finish, so a request queued behind a long prefill reuses
+        the part already computed."""
+        if n <= state.node_blocks:
+            return
+        blocks = state.req.blocks[:n]
+        before = self.cache.insert(blocks, None)
         node = self.cache.match_prefix(blocks).node
-        self.cache.lock(node)
-        self.cache.unlock(state.node)
-        state.node = node
-        moved = min(len(blocks) - before, state.reserved)
+        if node is not state.node:
+            self.cache.lock(node)
+            self.cache.unlock(state.node)
+            state.node = node
+        state.node_blocks = n
+        moved = min(max(0, n - before), state.reserved)
         state.reserved -= moved
         self.reserved -= moved
 
