@@ -32,6 +32,7 @@ def make_core(
         decode_step_s=profile.step_s(0, 0, 1, 0),
         decode_step_per_request_s=profile.token_s,
         prefill_budget=profile.prefill_budget,
+        max_running=profile.max_running,
     )
     config = PolicyConfig(seed=seed, cost=cost)
     return RoutingCore(make_policy(policy, config), clock=clock, block_size=block_tokens)
