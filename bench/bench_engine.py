@@ -1,0 +1,171 @@
+"""Engine benchmarks on one device (issue 3): prefix-cache TTFT and batched decode throughput.
+
+1. TTFT of a 2k- and an 8k-token prompt with none of it cached vs 95% of it cached (the first
+   95% was run before by another request). Goal: cached <= 0.15x uncached.
+2. Output tokens/s with continuous batching at 1, 8 and 32 concurrent requests vs HF
+   transformers `generate` on the same model and prompts, both one request at a time (what a
+   plain HF server does) and as one static padded batch of the same size. Goal: >= 3x at 32.
+
+Every figure is the median over `--runs` runs. Timings on a shared machine are noisy: compare
+medians, not single runs.
+
+    python bench/bench_engine.py                      # small model, CPU, 3 runs
+    python bench/bench_engine.py --runs 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from worker.engine import Engine, EngineConfig
+from worker.models import resolve_model
+from worker.protocol import GenerateRequest, SamplingParams
+
+
+def random_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(length)]
+
+
+def ttft(engine: Engine, rid: str, tokens: list[int]) -> tuple[float, int]:
+    """Seconds from add_request to the first token, and the reported cached tokens."""
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(GenerateRequest(rid, tokens, sp))
+    while True:
+        for chunk in engine.step():
+            if chunk.request_id == rid and chunk.token_ids:
+                elapsed = time.perf_counter() - start
+                while engine.has_work():
+                    engine.step()
+                return elapsed, chunk.cached_tokens
+
+
+def bench_ttft(engine: Engine, lengths: list[int], runs: int, vocab: int) -> dict:
+    results = {}
+    for length in lengths:
+        cold, warm, cached = [], [], []
+        for run in range(runs):
+            seed = 1000 * length + run
+            cold.append(ttft(engine, f"cold-{length}-{run}", random_prompt(length, seed, vocab))[0])
+            prompt = random_prompt(length, seed + 500, vocab)
+            ttft(engine, f"prime-{length}-{run}", prompt[: int(0.95 * length)])
+            seconds, hit = ttft(engine, f"warm-{length}-{run}", prompt)
+            warm.append(seconds)
+            cached.append(hit)
+        c, w = statistics.median(cold), statistics.median(warm)
+        results[length] = {"uncached_s": c, "cached_s": w, "ratio": w / c, "cached_tokens": cached}
+        print(
+            f"TTFT {length:>5} tokens: uncached {c * 1000:8.1f} ms  95% cached {w * 1000:8.1f} ms"
+            f"  ratio {w / c:.3f}  (cached tokens {cached[0]}, runs {runs})",
+            flush=True,
+        )
+    return results
+
+
+def engine_throughput(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> float:
+    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"{tag}-{i}", p, sp))
+    produced = 0
+    while engine.has_work():
+        produced += sum(len(c.token_ids) for c in engine.step())
+    assert produced == len(prompts) * out_len
+    return produced / (time.perf_counter() - start)
+
+
+def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
+    """Static batch: all prompts (equal lengths, so no padding) in one `generate` call."""
+    ids = torch.tensor(prompts, dtype=torch.int64)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out.shape[1] == ids.shape[1] + out_len
+    return len(prompts) * out_len / (time.perf_counter() - start)
+
+
+def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, vocab: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    results = {}
+    for n in args.concurrency:
+        ours, hf_batch, hf_seq = [], [], []
+        for run in range(args.runs):
+            prompts = [
+                random_prompt(args.prompt_len, 7_000 + 100 * run + i, vocab) for i in range(n)
+            ]
+            ours.append(engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}"))
+            hf_batch.append(hf_throughput(hf, prompts, args.output_len))
+            hf_seq.append(hf_throughput(hf, prompts[:1], args.output_len))  # one at a time
+        o, b, s = (statistics.median(x) for x in (ours, hf_batch, hf_seq))
+        results[n] = {
+            "engine_tok_s": o,
+            "hf_batched_tok_s": b,
+            "hf_sequential_tok_s": s,
+            "vs_hf_sequential": o / s,
+            "vs_hf_batched": o / b,
+        }
+        print(
+            f"{n:>3} concurrent: engine {o:8.1f} tok/s   HF one-at-a-time {s:8.1f} tok/s "
+            f"({o / s:.2f}x)   HF static batch {b:8.1f} tok/s ({o / b:.2f}x)  runs {args.runs}",
+            flush=True,
+        )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--ttft-lengths", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prefill-budget", type=int, default=512)
+    # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
+    # cores and a step can get 10x slower; --threads 0 keeps torch's default
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig(
+        model=args.model,
+        device=args.device,
+        kv_tokens=65536,
+        prefill_budget=args.prefill_budget,
+        seed=0,
+    )
+    engine = Engine(config)
+    vocab = engine.model.config.vocab_size
+    print(
+        f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
+        f"prefill budget {args.prefill_budget}",
+        flush=True,
+    )
+    ttft(engine, "warmup", random_prompt(64, 0, vocab))
+    figures = {"ttft": bench_ttft(engine, args.ttft_lengths, args.runs, vocab)}
+    figures["throughput"] = bench_throughput(engine, str(resolve_model(args.model)), args, vocab)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **figures}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
