@@ -1,0 +1,158 @@
+"""The `radixray` command: `serve`, `bench`, `simulate`, and `workers` (live admin).
+
+`radixray serve` with no arguments starts a local Ray with 2 CPU workers of the built-in
+`tiny` model and the router on http://127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from cluster.admin import add_workers_args, run_workers
+from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig
+
+EPILOG = """examples:
+  radixray serve                                  # laptop: local Ray, tiny model, 2 CPU workers
+  radixray serve --model small --workers 4 --policy cache_aware
+  ray start --head && radixray serve --address auto --model /models/Qwen2.5-7B-Instruct
+  radixray bench --url http://127.0.0.1:8000      # load generator against any OpenAI endpoint
+  radixray simulate --trace trace.jsonl.gz --workers 16 --policy cost,round_robin --json
+  radixray workers add --url http://127.0.0.1:8000 --count 1
+"""
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags; their names are the `ClusterConfig` fields (k8s manifests use them)."""
+    d = ClusterConfig.__dataclass_fields__
+    model = parser.add_argument_group("model and workers")
+    model.add_argument("--model", default=d["model"].default,
+                       help="built-in model (tiny, small) or an HF model directory present on "
+                       "every node (default: %(default)s)")
+    model.add_argument("--workers", type=int, default=None,
+                       help="number of workers (default: one per --gpus-per-worker GPUs on a "
+                       "GPU cluster, else 2 CPU workers)")
+    model.add_argument("--gpus-per-worker", type=float, default=d["gpus_per_worker"].default,
+                       help="GPUs reserved per worker on GPU clusters (default: %(default)s)")
+    model.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"].default,
+                       help="CPUs reserved per worker (default: %(default)s)")
+    model.add_argument("--device", choices=DEVICES, default=d["device"].default,
+                       help="auto: cuda when the Ray cluster has GPUs, else cpu "
+                       "(default: %(default)s)")
+    model.add_argument("--dtype", default=None,
+                       help="float32, bfloat16 or float16 (default: the model's own)")
+    model.add_argument("--attention", default=d["attention"].default,
+                       help="attention backend: torch, triton, flashinfer (default: %(default)s)")
+    kv = parser.add_argument_group("KV cache (per worker)")
+    kv.add_argument("--kv-tokens", type=int, default=None,
+                    help="KV slots per worker (default: sized from free memory)")
+    kv.add_argument("--page-size", type=int, default=d["page_size"].default,
+                    help="tokens per KV page (default: %(default)s)")
+    kv.add_argument("--host-kv-tokens", type=int, default=d["host_kv_tokens"].default,
+                    help="host-memory KV tier in tokens, 0 for none (default: %(default)s)")
+    kv.add_argument("--host-policy", default=d["host_policy"].default,
+                    help="host tier policy: write_through or write_back (default: %(default)s)")
+    router = parser.add_argument_group("router")
+    router.add_argument("--host", default=d["host"].default,
+                        help="address the router listens on (default: %(default)s)")
+    router.add_argument("--port", type=int, default=d["port"].default,
+                        help="router port (default: %(default)s)")
+    router.add_argument("--policy", default=d["policy"].default,
+                        help="routing policy: cost, cache_aware, kv_cost, e2, round_robin, random, "
+                        "power_of_two, least_load (default: %(default)s)")
+    router.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* "
+                        f"(default: ${API_KEY_ENV})")
+    ray_group = parser.add_argument_group("Ray")
+    ray_group.add_argument("--address", default=None,
+                           help="join this Ray cluster ('auto' on a node started with "
+                           "`ray start`); default: start a local Ray")
+    ray_group.add_argument("--num-cpus", type=int, default=None,
+                           help="CPUs of the local Ray (default: all)")
+
+
+def curl_line(config: ClusterConfig) -> str:
+    """A ready-to-paste chat request against the running router."""
+    body = {"model": config.model, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "Hello! Who are you?"}]}
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if config.api_key else ""
+    return (f"curl {config.url()}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(json.dumps(body))}")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the cluster until Ctrl-C or SIGTERM; clean up whatever happens."""
+    from cluster.launcher import Launcher  # Ray and torch load only for `serve`
+
+    config = ClusterConfig.from_args(args)
+    launcher = Launcher(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        launcher.start()
+        print(f"\nradixray is serving {config.model} at {config.url()} "
+              f"(OpenAI API, policy {config.policy}). Try:\n\n  {curl_line(config)}\n\n"
+              "Press Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        print(f"radixray: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("radixray: shutting down...", file=sys.stderr, flush=True)
+        launcher.stop()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixray",
+        description="Cache-aware LLM serving on Ray: one radix-cached engine per GPU behind a "
+        "prefix-aware OpenAI-compatible router.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    p = sub.add_parser("serve", help="start workers and the router (local Ray or --address)",
+                       description="Start a radixray cluster: workers on Ray and the OpenAI "
+                       "router on this machine. Ctrl-C stops everything.")
+    add_serve_args(p)
+    p.set_defaults(func=serve)
+    _add_bench(sub)
+    _add_simulate(sub)
+    w = sub.add_parser("workers", help="list, add, drain or remove workers of a running router")
+    add_workers_args(w)
+    w.set_defaults(func=run_workers)
+    return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from cluster.loadgen.cli import add_bench_args, run_bench
+
+    p = sub.add_parser("bench", help="load generator against any OpenAI-compatible endpoint")
+    add_bench_args(p)
+    p.set_defaults(func=run_bench)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from cluster.sim.cli import add_simulate_args, run_simulate
+
+    p = sub.add_parser("simulate", help="simulate routing policies on a trace or workload")
+    add_simulate_args(p)
+    p.set_defaults(func=run_simulate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

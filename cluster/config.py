@@ -1,0 +1,99 @@
+"""`ClusterConfig`: everything `radixray serve` (and the Ray Serve app) needs to start a cluster.
+
+One dataclass, built from the CLI flags (`from_args`) or from a Ray Serve `args` dict
+(`from_dict`, snake_case keys equal to the flag names). The engine's and the router's own config
+dataclasses are derived from it (`engine_config`), so a knob is named once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+API_KEY_ENV = "RADIXRAY_API_KEY"
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ClusterConfig:
+    """How many workers of which model, where the router listens, and which Ray to use.
+
+    Defaults are the laptop set-up: a local Ray, the built-in `tiny` model, 2 CPU workers, the
+    router on 127.0.0.1:8000 with the `cost` policy.
+    """
+
+    model: str = "tiny"  # built-in name ("tiny", "small") or an HF model directory
+    workers: int | None = None  # None: one per GPU group on a GPU cluster, else 2 CPU workers
+    gpus_per_worker: float = 1.0  # GPUs reserved per worker when device is cuda
+    cpus_per_worker: float = 1.0  # CPUs reserved per worker (the engine loop's core)
+    device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
+    dtype: str | None = None  # None: the model's own dtype (bf16 on GPU, fp32 on CPU)
+    attention: str = "torch"  # attention backend of the engine
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cost"
+    kv_tokens: int | None = None  # KV slots per worker; None: sized from free memory
+    page_size: int = 1
+    block_size: int = 16
+    host_kv_tokens: int = 0  # host-memory KV tier per worker (0: off)
+    host_policy: str = "write_through"
+    api_key: str | None = None  # required as `Authorization: Bearer` on /v1/* when set
+    address: str | None = None  # Ray address to join ("auto", "ray://..."); None: a local Ray
+    num_cpus: int | None = None  # CPUs of a local Ray (None: Ray's own count)
+    max_restarts: int = -1  # Ray restarts of a dead worker actor (-1: always)
+    ready_timeout_s: float = 900.0  # how long a worker may take to load its model
+    watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
+    namespace: str = "radixray"  # Ray namespace of the worker actors
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.workers is not None and self.workers < 0:
+            raise ValueError("workers must be >= 0")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.gpus_per_worker <= 0 or self.cpus_per_worker <= 0:
+            raise ValueError("gpus_per_worker and cpus_per_worker must be > 0")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ClusterConfig:
+        """Build from snake_case keys (a Ray Serve `args` dict); unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster option(s): {', '.join(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: Any) -> ClusterConfig:
+        """Build from an argparse namespace: every attribute named like a field is used."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in known and v is not None})
+
+    def resolve_device(self, cluster_gpus: float) -> str:
+        """The device workers run on: `auto` picks cuda when the Ray cluster has any GPU."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if cluster_gpus > 0 else "cpu"
+
+    def resolve_workers(self, device: str, cluster_gpus: float) -> int:
+        """How many workers to start: as asked, else one per GPU group, else 2 on CPU."""
+        if self.workers is not None:
+            return self.workers
+        if device == "cuda":
+            return max(1, int(cluster_gpus // self.gpus_per_worker))
+        return 2
+
+    def bundle(self, device: str) -> dict[str, float]:
+        """The resources one worker reserves (one placement-group bundle)."""
+        bundle = {"CPU": self.cpus_per_worker}
+        if device == "cuda":
+            bundle["GPU"] = self.gpus_per_worker
+        return bundle
+
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"

@@ -1,0 +1,175 @@
+"""`Launcher`: one radixray cluster run from this process (what `radixray serve` does).
+
+1. Start a local Ray, or join one (`address="auto"` on a node of a running cluster).
+2. Reserve one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
+   cluster has them, else CPU workers), and start one `WorkerActor` per bundle.
+3. Wait, with a progress display, until every worker has loaded its model.
+4. Serve the router (uvicorn + `router.app.create_app` over Ray backends) in this process,
+   on the head node; watch the workers; add, drain and remove them live.
+5. On Ctrl-C / SIGTERM: stop the server, kill the workers, free the bundles, and stop the
+   local Ray if this process started it, so no Ray process is left behind.
+
+The router, the watcher and the admin calls share one asyncio loop in a background thread,
+so the main thread stays free for signals (and a test can run a launcher in-process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+import uvicorn
+
+from cluster.config import ClusterConfig
+from cluster.placement import Placement
+from cluster.router_link import build_router
+from cluster.worker_pool import Worker, WorkerPool
+from worker.models.builtin import resolve_model
+
+log = logging.getLogger("radixray.cluster")
+
+
+class Launcher:
+    """Start with `start()` (returns when the router answers), stop with `stop()`."""
+
+    def __init__(self, config: ClusterConfig, echo: Callable[[str], None] | None = None) -> None:
+        self.config = config
+        self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.pool: WorkerPool | None = None
+        self.app: Any = None
+        self._owns_ray = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: uvicorn.Server | None = None
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url()
+
+    def start(self) -> str:
+        """Bring the cluster up; returns the router's URL once it serves. Raises on failure."""
+        _check_port(self.config.host, self.config.port)
+        t0 = time.monotonic()
+        self._start_ray()
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        device = self.config.resolve_device(gpus)
+        count = self.config.resolve_workers(device, gpus)
+        model_dir = resolve_model(self.config.model)  # built-in models are generated once, here
+        self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
+        self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
+        started: Future = Future()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._run, args=(count, str(model_dir), started), name="radixray-router",
+            daemon=True,
+        )
+        self._thread.start()
+        try:
+            started.result()
+        except BaseException:
+            self.stop()
+            raise
+        self.echo(f"radixray: ready in {time.monotonic() - t0:.1f}s at {self.url}")
+        return self.url
+
+    def stop(self) -> None:
+        """Stop serving, kill every worker, free every bundle; stop Ray if we started it."""
+        if self._loop and self._thread and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._request_exit)
+            self._thread.join(timeout=30)
+        if self.pool:
+            self.pool.shutdown()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    def call(self, coro: Any, timeout_s: float | None = None) -> Any:
+        """Run a coroutine (e.g. `pool.add(1)`) on the router's loop from another thread."""
+        assert self._loop is not None, "launcher not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def _start_ray(self) -> None:
+        if ray.is_initialized():
+            return  # a test (or a notebook) already holds a Ray: use it, leave it running
+        if self.config.address:
+            ray.init(address=self.config.address, namespace=self.config.namespace)
+        else:
+            ray.init(
+                num_cpus=self.config.num_cpus,
+                include_dashboard=False,
+                namespace=self.config.namespace,
+            )
+        self._owns_ray = True
+
+    def _run(self, count: int, model_dir: str, started: Future) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve(count, model_dir, started))
+        except BaseException as exc:  # the thread must report, never die silently
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                log.exception("router loop stopped")
+        finally:
+            self._loop.close()
+
+    async def _serve(self, count: int, model_dir: str, started: Future) -> None:
+        assert self.pool is not None
+        progress = _Progress(count, self.echo)
+        await self.pool.start(count, progress.update)
+        self.app = build_router(self.config, model_dir, self.pool)
+        uv = uvicorn.Config(
+            self.app, host=self.config.host, port=self.config.port,
+            log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+        )
+        self._server = uvicorn.Server(uv)
+        serving = asyncio.create_task(self._server.serve())
+        while not self._server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if serving.done():
+            serving.result()
+            raise RuntimeError(f"the router could not listen on {self.url}")
+        self._watch = asyncio.create_task(self.pool.watch())
+        started.set_result(None)
+        await serving
+        self._watch.cancel()
+
+    def _request_exit(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        else:  # still loading workers: cancel everything on the loop
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+
+
+class _Progress:
+    """One line per worker as it becomes ready: `[1/2] worker-0 ready (4.1s)`."""
+
+    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
+        self.total, self.done, self.echo = total, 0, echo
+        self.t0 = time.monotonic()
+        echo(f"radixray: loading the model on {total} worker(s)...")
+
+    def update(self, worker: Worker) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.t0
+        self.echo(f"  [{self.done}/{self.total}] {worker.worker_id} ready ({elapsed:.1f}s)")
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading any model when the router's port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror}") from None

@@ -1,0 +1,199 @@
+"""The worker actors of one cluster: create, wait for, watch, add and remove them.
+
+Each worker is one `WorkerActor` in one placement-group bundle (`cluster/placement.py`). The
+router learns of workers from `cluster/router_link.py` (the pool's workers become its backends;
+the pool is its `WorkerControl` for adding and removing), and of deaths from the pool's
+watcher through a `RouterLink`:
+
+- `mark_dead(id)` when the watcher finds an actor dead: the router stops routing to it and
+  purges its index entries at once (its in-flight requests fail over on their own). Ray
+  restarts the actor (`max_restarts`); the router probes dead workers and re-adds one that
+  answers again, fetching its snapshot: a restarted actor is a new engine with an empty cache
+  and a new event epoch, so it rejoins empty;
+- `detach(id)` when a worker is removed for good.
+
+All methods run on the router's event loop, so the link needs no locking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from cluster.config import ClusterConfig
+from cluster.placement import Placement, Slot
+from worker.actor import WorkerActor
+from worker.engine import EngineConfig
+
+log = logging.getLogger("radixray.cluster")
+
+PING_TIMEOUT_S = 30.0  # a loaded worker answers `ready` at once, even while it computes
+
+
+class RouterLink(Protocol):
+    """What the pool tells the router (`router.workers.WorkerRegistry` has both)."""
+
+    def mark_dead(self, worker_id: str) -> None: ...
+    def detach(self, worker_id: str) -> None: ...
+
+
+@dataclass
+class Worker:
+    """One worker actor and its state: loading -> ready <-> down (dead until Ray restarts it)."""
+
+    worker_id: str
+    actor: Any
+    slot: Slot
+    state: str = "loading"
+    started: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    info: dict = field(default_factory=dict)
+
+
+def engine_config(config: ClusterConfig, device: str) -> EngineConfig:
+    """The engine's config for every worker of this cluster."""
+    return EngineConfig(
+        model=config.model,
+        device=device,
+        dtype=config.dtype,
+        attention=config.attention,
+        kv_tokens=config.kv_tokens,
+        page_size=config.page_size,
+        block_size=config.block_size,
+        host_kv_tokens=config.host_kv_tokens,
+        host_policy=config.host_policy,
+    )
+
+
+class WorkerPool:
+    """Owns the worker actors; the only place that creates or kills them."""
+
+    def __init__(self, config: ClusterConfig, device: str, placement: Placement) -> None:
+        self.config = config
+        self.engine = engine_config(config, device)
+        self.device = device
+        self.placement = placement
+        self.workers: dict[str, Worker] = {}
+        self.link: RouterLink | None = None
+        self._next_index = 0
+
+    async def start(self, count: int, progress: Callable[[Worker], None] | None = None) -> None:
+        """Reserve `count` bundles, create the workers and wait until each has its model loaded."""
+        slots = await self.placement.reserve(count, self.config.ready_timeout_s)
+        workers = [self._create(slot) for slot in slots]
+        await self._wait_ready(workers, progress)
+
+    async def add(self, count: int = 1) -> list[str]:
+        """Start `count` more workers and wait for their models; returns their ids."""
+        workers = []
+        for _ in range(count):
+            workers.append(self._create(await self.placement.acquire(self.config.ready_timeout_s)))
+        await self._wait_ready(workers, None)
+        return [w.worker_id for w in workers]
+
+    async def remove(self, worker_id: str) -> None:
+        """Remove the worker now: the router forgets it, the actor is killed, its bundle freed.
+
+        Requests still running on it fail over to other workers (the router's job)."""
+        worker = self.workers.pop(worker_id, None)
+        if worker is None:
+            raise KeyError(worker_id)
+        if self.link:
+            self.link.detach(worker_id)
+        ray.kill(worker.actor, no_restart=True)
+        # The bundle is only free once the actor's process is gone; give Ray a moment.
+        await asyncio.sleep(0.2)
+        self.placement.release(worker.slot)
+
+    def describe(self) -> list[dict]:
+        """Per worker: id, state, restarts, seconds since (re)start."""
+        now = time.monotonic()
+        return [
+            {
+                "worker_id": w.worker_id,
+                "state": w.state,
+                "restarts": w.restarts,
+                "uptime_s": round(now - w.started, 1),
+            }
+            for w in self.workers.values()
+        ]
+
+    async def watch(self) -> None:
+        """Forever: ping every worker; a dead one is reported to the router at once."""
+        while True:
+            await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.config.watch_interval_s)
+
+    def shutdown(self) -> None:
+        """Kill every worker (no restart) and free every bundle."""
+        for worker in self.workers.values():
+            ray.kill(worker.actor, no_restart=True)
+        self.workers.clear()
+        self.placement.remove_all()
+
+    def _create(self, slot: Slot) -> Worker:
+        worker_id = f"worker-{self._next_index}"
+        self._next_index += 1
+        resources = slot.group.bundle_specs[slot.bundle_index]
+        actor = _actor_class().options(
+            name=f"radixray-{worker_id}",
+            namespace=self.config.namespace,
+            num_cpus=resources.get("CPU", 0),
+            num_gpus=resources.get("GPU", 0),
+            max_restarts=self.config.max_restarts,
+            max_task_retries=0,  # a generation is retried by the router, never replayed by Ray
+            scheduling_strategy=slot.strategy(),
+        ).remote(self.engine, worker_id)
+        worker = Worker(worker_id, actor, slot)
+        self.workers[worker_id] = worker
+        return worker
+
+    async def _wait_ready(
+        self, workers: list[Worker], progress: Callable[[Worker], None] | None
+    ) -> None:
+        async def one(worker: Worker) -> None:
+            try:
+                worker.info = await asyncio.wait_for(
+                    worker.actor.ready.remote(), self.config.ready_timeout_s
+                )
+            except Exception as exc:
+                raise RuntimeError(f"{worker.worker_id} failed to load its model: {exc}") from exc
+            worker.state = "ready"
+            worker.started = time.monotonic()
+            if progress:
+                progress(worker)
+
+        await asyncio.gather(*(one(w) for w in workers))
+
+    async def _check(self, worker: Worker) -> None:
+        if worker.state == "loading":
+            return
+        try:
+            await asyncio.wait_for(worker.actor.ready.remote(), PING_TIMEOUT_S)
+        except (asyncio.TimeoutError, GetTimeoutError):
+            return  # busy or restarting: the next successful ping decides
+        except RayActorError as exc:
+            if worker.state != "down" and worker.worker_id in self.workers:
+                log.warning("%s died (%s); Ray restarts it", worker.worker_id, type(exc).__name__)
+                worker.state = "down"
+                if self.link:
+                    self.link.mark_dead(worker.worker_id)
+            return
+        if worker.state == "down" and worker.worker_id in self.workers:
+            # The router notices on its own (it probes dead workers) and re-adds it.
+            log.warning("%s is back (restarted, empty cache)", worker.worker_id)
+            worker.restarts += 1
+            worker.state = "ready"
+            worker.started = time.monotonic()
+
+
+def _actor_class() -> Any:
+    """`WorkerActor` as a Ray actor class, whether or not the module already decorated it."""
+    return WorkerActor if hasattr(WorkerActor, "options") else ray.remote(WorkerActor)
