@@ -76,6 +76,7 @@ class Router:
         )
         self.metrics = RouterMetrics()
         self.workers = WorkerRegistry(config, self.core, self.metrics)
+        self.workers.encode = self.tokenizer.encode_plain
         self.dispatcher = Dispatcher(
             self.core, self.workers, self.metrics, config.max_failovers, config.namespace
         )

@@ -25,15 +25,30 @@ class Tokenizer:
         self.vocab_size: int = len(self.hf)
         eos = self.hf.eos_token_id
         self.eos_token_ids: list[int] = [] if eos is None else [int(eos)]
+        # The Rust tokenizer underneath, called directly: the same ids and text without
+        # transformers' per-call Python overhead (several times the encoding itself).
+        self.fast = getattr(self.hf, "backend_tokenizer", None) if self.hf.is_fast else None
+        if getattr(self.hf, "clean_up_tokenization_spaces", False):
+            self.fast = None  # decode post-processing only transformers does
         limit = getattr(self.hf, "model_max_length", None)
         sane = isinstance(limit, int) and limit < 1 << 30  # HF uses a huge int for "unknown"
         self.model_max_length: int | None = limit if sane else None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt (with the model's BOS if it uses one)."""
+        if self.fast is not None:
+            return self.fast.encode(text, add_special_tokens=True).ids
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of a piece of text alone (no BOS): for re-tokenizing generated text."""
+        if self.fast is not None:
+            return self.fast.encode(text, add_special_tokens=False).ids
+        return list(self.hf.encode(text, add_special_tokens=False))
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.fast is not None:
+            return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
@@ -53,7 +68,7 @@ class Tokenizer:
             )
         except Exception as exc:  # jinja raises its own types for bad conversations
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.encode_plain(text)
 
 
 class TextStream:

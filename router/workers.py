@@ -54,6 +54,7 @@ class WorkerRegistry:
         self.cursors: dict[str, tuple[int, int]] = {}  # worker -> (epoch, seq) applied
         self.inflight: Counter[str] = Counter()
         self.block_size = config.block_size
+        self.encode: Any = None  # text -> token ids, set by the router (its tokenizer)
         self._pending: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
 
@@ -61,6 +62,8 @@ class WorkerRegistry:
 
     async def add(self, backend: Backend) -> dict:
         """Waits for the worker, then routes to it; its cache arrives as a snapshot."""
+        if getattr(backend, "encode", False) is None:
+            backend.encode = self.encode  # an HTTP server that returns text only
         info = await backend.ready()
         wid = backend.worker_id
         self.forget(wid)

@@ -36,7 +36,7 @@ def test_multibyte_characters_are_never_split(tok):
     assert len(tok.encode("🎉")) > 1  # the emoji really spans several tokens here
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.text(min_size=0, max_size=40), st.integers(min_value=1, max_value=4))
 def test_streamed_text_equals_decoded_text(tok, text, step):
     ids = tok.encode(text)
@@ -96,3 +96,13 @@ def test_prompt_ids_are_a_prefix_of_the_next_turn(tok):
     turn2 = turn1 + [{"role": "assistant", "content": "hi there"},
                      {"role": "user", "content": "more"}]
     assert tok.apply_chat(turn2)[: len(ids1)] == ids1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(min_size=0, max_size=60))
+def test_fast_path_matches_transformers(tok, text):
+    assert tok.fast is not None
+    ids = tok.encode(text)
+    assert ids == tok.hf.encode(text, add_special_tokens=True)
+    for skip in (True, False):
+        assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)

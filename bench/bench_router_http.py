@@ -1,0 +1,257 @@
+"""Router throughput and the latency it adds per request, in front of a null backend.
+
+Three processes: the router (`create_app` under uvicorn, one `NullBackend` that answers every
+request at once, in-process), a null OpenAI server (aiohttp, canned answers: the baseline any
+HTTP hop costs with this client), and the load generator (this process). Per mode
+(non-streaming, streaming) and run:
+
+- open loop at `--rate` req/s for `--duration` s against the null server, then the router:
+  latency percentiles of each; added = router - null server, per percentile;
+- closed loop with `--concurrency` clients against the router: the throughput it sustains.
+
+Latency is to the last byte of the response (streaming: the whole SSE stream, 16 chunks).
+Goal (issue 4): added p50 < 1 ms at 500 req/s.
+
+    python bench/bench_router_http.py                       # 3 runs, 500 req/s, 10 s each
+    python bench/bench_router_http.py --runs 5 --rate 500 --duration 20 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from router.backends import Backend  # noqa: E402
+from worker.protocol import GenerateRequest, TokenChunk, WorkerStats  # noqa: E402
+
+OUTPUT_TOKENS = 16
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+class NullBackend(Backend):
+    """Answers at once: one chunk of all tokens, or one chunk per token when streaming."""
+
+    def __init__(self, worker_id: str, chunks: int) -> None:
+        self.worker_id = worker_id
+        self.chunks = chunks
+
+    async def ready(self) -> dict[str, Any]:
+        return {"model": "tiny", "block_size": 16, "page_size": 1, "max_context": 4096}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
+        n = request.sampling.max_tokens
+        per = max(n // self.chunks, 1)
+        sent = 0
+        while sent < n:
+            ids = [70 + (sent + i) % 20 for i in range(min(per, n - sent))]
+            sent += len(ids)
+            yield TokenChunk(request.request_id, ids, "length" if sent >= n else None,
+                             prompt_tokens=len(request.input_ids))
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def stats(self) -> WorkerStats:
+        return WorkerStats(worker_id=self.worker_id, kv_total=1 << 20, kv_free=1 << 20)
+
+    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
+        return []
+
+    async def close_session(self, session_id: str) -> bool:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_router(port: int, chunks: int) -> None:
+    import uvicorn
+
+    from router.app import create_app
+    from router.config import RouterConfig
+    from worker.models.builtin import builtin_model_path
+
+    config = RouterConfig(model="tiny", tokenizer=str(builtin_model_path("tiny")))
+    app = create_app(config, [NullBackend("null0", chunks)])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False,
+                loop="uvloop", http="httptools")
+
+
+def serve_null(port: int) -> None:
+    from aiohttp import web
+
+    words = "abcdefghijklmnop"
+    body = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
+                       "model": "tiny", "choices": [{"index": 0, "text": words,
+                                                     "logprobs": None, "finish_reason": "length"}],
+                       "usage": {"prompt_tokens": 40, "completion_tokens": 16,
+                                 "total_tokens": 56}}).encode()
+    chunks = [b"data: " + json.dumps({"id": "cmpl-0", "object": "text_completion",
+                                      "created": 0, "model": "tiny",
+                                      "choices": [{"index": 0, "text": c, "logprobs": None,
+                                                   "finish_reason": None}]}).encode() + b"\n\n"
+              for c in words]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        data = await request.json()
+        if not data.get("stream"):
+            return web.Response(body=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(chunk)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+async def one(session: Any, url: str, stream: bool) -> float:
+    payload = {"model": "tiny", "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS, "stream": stream}
+    t0 = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=payload) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+    return time.perf_counter() - t0
+
+
+async def open_loop(url: str, stream: bool, rate: float, duration: float) -> dict:
+    import aiohttp
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as session:
+        for _ in range(50):  # warm up connections and code paths
+            await one(session, url, stream)
+        n = int(rate * duration)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tasks = []
+        for i in range(n):
+            delay = t0 + i / rate - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session, url, stream)))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        elapsed = loop.time() - t0
+    lat = sorted(r for r in results if isinstance(r, float))
+    return {"sent": n, "ok": len(lat), "rate": len(lat) / elapsed,
+            **{f"p{q}": _pct(lat, q) * 1000 for q in (50, 90, 99)}}
+
+
+async def closed_loop(url: str, stream: bool, concurrency: int, duration: float) -> float:
+    import aiohttp
+
+    done = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        end = time.perf_counter() + duration
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                await one(session, url, stream)
+                done += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+def _pct(values: list[float], q: int) -> float:
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, int(len(values) * q / 100))]
+
+
+def wait_up(url: str) -> None:
+    import urllib.request
+
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=500.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    ports = {"null": free_port()}
+    ports["router_nonstream"] = free_port()
+    ports["router_stream"] = free_port()
+    procs = [ctx.Process(target=serve_null, args=(ports["null"],), daemon=True),
+             ctx.Process(target=serve_router, args=(ports["router_nonstream"], 1), daemon=True),
+             ctx.Process(target=serve_router, args=(ports["router_stream"], OUTPUT_TOKENS),
+                         daemon=True)]
+    for p in procs:
+        p.start()
+    rows = []
+    try:
+        urls = {k: f"http://127.0.0.1:{v}" for k, v in ports.items()}
+        for url in urls.values():
+            wait_up(url)
+        for run in range(args.runs):
+            for stream in (False, True):
+                router = urls["router_stream" if stream else "router_nonstream"]
+                base = asyncio.run(open_loop(urls["null"], stream, args.rate, args.duration))
+                via = asyncio.run(open_loop(router, stream, args.rate, args.duration))
+                tput = asyncio.run(closed_loop(router, stream, args.concurrency, args.duration))
+                row = {"run": run, "stream": stream, "null": base, "router": via,
+                       "added_ms": {q: via[q] - base[q] for q in ("p50", "p90", "p99")},
+                       "max_rps": tput}
+                rows.append(row)
+                if not args.json:
+                    print(_line(row), flush=True)
+    finally:
+        for p in procs:
+            p.terminate()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for stream in (False, True):
+            added = [r["added_ms"]["p50"] for r in rows if r["stream"] == stream]
+            tput = [r["max_rps"] for r in rows if r["stream"] == stream]
+            print(f"{'stream' if stream else 'plain '}: added p50 median "
+                  f"{statistics.median(added):.2f} ms over {len(added)} runs; closed-loop "
+                  f"throughput median {statistics.median(tput):.0f} req/s")
+
+
+def _line(row: dict) -> str:
+    r, n, a = row["router"], row["null"], row["added_ms"]
+    return (f"run {row['run']} {'stream' if row['stream'] else 'plain '}: "
+            f"router p50 {r['p50']:.2f} p90 {r['p90']:.2f} p99 {r['p99']:.2f} ms at "
+            f"{r['rate']:.0f} req/s ({r['ok']}/{r['sent']} ok) | null p50 {n['p50']:.2f} "
+            f"p99 {n['p99']:.2f} | added p50 {a['p50']:.2f} p90 {a['p90']:.2f} p99 "
+            f"{a['p99']:.2f} ms | closed-loop {row['max_rps']:.0f} req/s")
+
+
+if __name__ == "__main__":
+    main()
