@@ -209,8 +209,8 @@ def test_image_copies_every_package_and_pregenerates_tiny(dockerfile: list, kube
     for module_name, attr in re.findall(r"from ([\w.]+) import (\w+)", runs):
         module = _import_or_skip(module_name, "helper B1")
         assert hasattr(module, attr), f"{module_name}.{attr} does not exist"
-    assert "tiny" in dict(a.split("=", 1) for i, a in dockerfile if i == "ARG" and "=" in a)[
-        "BUILTIN_MODELS"]
+    baked = dict(a.split("=", 1) for i, a in dockerfile if i == "ARG" and "=" in a)
+    assert "tiny" in baked["BUILTIN_MODELS"].strip('"').split()
 
 
 def test_dockerignore_keeps_what_the_images_copy(dockerfile: list, kube: Any) -> None:
@@ -254,3 +254,25 @@ def test_head_command_starts_ray_then_execs_the_router(
         ray_call, serve_call = calls.read_text().splitlines()
         assert ray_call == 'ray start --head --num-cpus=0 --resources={"a": 1}'
         assert serve_call == "radixray serve " + " ".join(kube.head_serve_argv(cluster))
+
+
+def _baked_models(kube: Any, dockerfile: str) -> set[str]:
+    args = dict(
+        a.split("=", 1) for i, a in _instructions((kube.K8S / dockerfile).read_text())
+        if i == "ARG" and "=" in a
+    )
+    return set(args["BUILTIN_MODELS"].strip('"').split())
+
+
+def test_models_are_built_in_and_baked_into_the_image(rendered: dict, kube: Any) -> None:
+    builtin = _import_or_skip("worker.models.builtin", "helper B1")
+    models = {o: _knobs_of_service(kube, s)["model"] for o, s in _services(rendered, kube)}
+    models |= {o: _parse_head_command(kube, c).model for o, c in _clusters(rendered, kube)}
+    for overlay, model in models.items():
+        if model.startswith("/"):
+            continue  # an HF model directory mounted into the pods
+        assert model in builtin.BUILTIN_MODELS, (overlay, model)
+        dockerfile = "Dockerfile.cuda" if overlay.startswith("gpu") else "Dockerfile.cpu"
+        assert model in _baked_models(kube, dockerfile), (overlay, model, dockerfile)
+    for dockerfile in DOCKERFILES:
+        assert _baked_models(kube, dockerfile) <= set(builtin.BUILTIN_MODELS)
