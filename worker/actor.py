@@ -35,6 +35,7 @@ class WorkerActor:
         self.worker_id = worker_id
         self.engine = Engine(config, worker_id)
         self._stats = self.engine.stats()
+        self._info = self._describe()
         self._inbox: deque[tuple[Callable[[], Any], Future]] = deque()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -45,8 +46,11 @@ class WorkerActor:
     # --- actor methods -----------------------------------------------------------------------
 
     async def ready(self) -> dict:
-        """What the router needs to know about this worker (called once it is up)."""
-        return await self._call(self._info)
+        """What the router needs to know about this worker. Answers at once, even mid-step, so
+        it doubles as a liveness ping; raises once the engine has failed."""
+        if self._failure is not None:
+            raise RuntimeError(f"worker {self.worker_id} engine failed: {self._failure}")
+        return self._info
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         """Stream the request's chunks. ValueError (before any chunk) for a bad request."""
@@ -90,7 +94,7 @@ class WorkerActor:
 
     # --- the engine thread -------------------------------------------------------------------
 
-    def _info(self) -> dict:
+    def _describe(self) -> dict:
         engine = self.engine
         return {
             "worker_id": self.worker_id,
