@@ -56,8 +56,12 @@ class NullBackend(Backend):
         while sent < n:
             ids = [70 + (sent + i) % 20 for i in range(min(per, n - sent))]
             sent += len(ids)
-            yield TokenChunk(request.request_id, ids, "length" if sent >= n else None,
-                             prompt_tokens=len(request.input_ids))
+            yield TokenChunk(
+                request.request_id,
+                ids,
+                "length" if sent >= n else None,
+                prompt_tokens=len(request.input_ids),
+            )
 
     async def abort(self, request_id: str) -> None:
         return None
@@ -87,24 +91,45 @@ def serve_router(port: int, chunks: int) -> None:
 
     config = RouterConfig(model="tiny", tokenizer=str(builtin_model_path("tiny")))
     app = create_app(config, [NullBackend("null0", chunks)])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="error", access_log=False,
-                loop="uvloop", http="httptools")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="error",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
 
 
 def serve_null(port: int) -> None:
     from aiohttp import web
 
     words = "abcdefghijklmnop"
-    body = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0,
-                       "model": "tiny", "choices": [{"index": 0, "text": words,
-                                                     "logprobs": None, "finish_reason": "length"}],
-                       "usage": {"prompt_tokens": 40, "completion_tokens": 16,
-                                 "total_tokens": 56}}).encode()
-    chunks = [b"data: " + json.dumps({"id": "cmpl-0", "object": "text_completion",
-                                      "created": 0, "model": "tiny",
-                                      "choices": [{"index": 0, "text": c, "logprobs": None,
-                                                   "finish_reason": None}]}).encode() + b"\n\n"
-              for c in words]
+    body = json.dumps(
+        {
+            "id": "cmpl-0",
+            "object": "text_completion",
+            "created": 0,
+            "model": "tiny",
+            "choices": [{"index": 0, "text": words, "logprobs": None, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 40, "completion_tokens": 16, "total_tokens": 56},
+        }
+    ).encode()
+    chunks = [
+        b"data: "
+        + json.dumps(
+            {
+                "id": "cmpl-0",
+                "object": "text_completion",
+                "created": 0,
+                "model": "tiny",
+                "choices": [{"index": 0, "text": c, "logprobs": None, "finish_reason": None}],
+            }
+        ).encode()
+        + b"\n\n"
+        for c in words
+    ]
 
     async def completions(request: web.Request) -> web.StreamResponse:
         data = await request.json()
@@ -155,8 +180,12 @@ async def open_loop(url: str, stream: bool, rate: float, duration: float) -> dic
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = loop.time() - t0
     lat = sorted(r for r in results if isinstance(r, float))
-    return {"sent": n, "ok": len(lat), "rate": len(lat) / elapsed,
-            **{f"p{q}": _pct(lat, q) * 1000 for q in (50, 90, 99)}}
+    return {
+        "sent": n,
+        "ok": len(lat),
+        "rate": len(lat) / elapsed,
+        **{f"p{q}": _pct(lat, q) * 1000 for q in (50, 90, 99)},
+    }
 
 
 async def closed_loop(url: str, stream: bool, concurrency: int, duration: float) -> float:
@@ -207,10 +236,11 @@ def main() -> None:
     ports = {"null": free_port()}
     ports["router_nonstream"] = free_port()
     ports["router_stream"] = free_port()
-    procs = [ctx.Process(target=serve_null, args=(ports["null"],), daemon=True),
-             ctx.Process(target=serve_router, args=(ports["router_nonstream"], 1), daemon=True),
-             ctx.Process(target=serve_router, args=(ports["router_stream"], OUTPUT_TOKENS),
-                         daemon=True)]
+    procs = [
+        ctx.Process(target=serve_null, args=(ports["null"],), daemon=True),
+        ctx.Process(target=serve_router, args=(ports["router_nonstream"], 1), daemon=True),
+        ctx.Process(target=serve_router, args=(ports["router_stream"], OUTPUT_TOKENS), daemon=True),
+    ]
     for p in procs:
         p.start()
     rows = []
@@ -224,9 +254,14 @@ def main() -> None:
                 base = asyncio.run(open_loop(urls["null"], stream, args.rate, args.duration))
                 via = asyncio.run(open_loop(router, stream, args.rate, args.duration))
                 tput = asyncio.run(closed_loop(router, stream, args.concurrency, args.duration))
-                row = {"run": run, "stream": stream, "null": base, "router": via,
-                       "added_ms": {q: via[q] - base[q] for q in ("p50", "p90", "p99")},
-                       "max_rps": tput}
+                row = {
+                    "run": run,
+                    "stream": stream,
+                    "null": base,
+                    "router": via,
+                    "added_ms": {q: via[q] - base[q] for q in ("p50", "p90", "p99")},
+                    "max_rps": tput,
+                }
                 rows.append(row)
                 if not args.json:
                     print(_line(row), flush=True)
@@ -239,18 +274,22 @@ def main() -> None:
         for stream in (False, True):
             added = [r["added_ms"]["p50"] for r in rows if r["stream"] == stream]
             tput = [r["max_rps"] for r in rows if r["stream"] == stream]
-            print(f"{'stream' if stream else 'plain '}: added p50 median "
-                  f"{statistics.median(added):.2f} ms over {len(added)} runs; closed-loop "
-                  f"throughput median {statistics.median(tput):.0f} req/s")
+            print(
+                f"{'stream' if stream else 'plain '}: added p50 median "
+                f"{statistics.median(added):.2f} ms over {len(added)} runs; closed-loop "
+                f"throughput median {statistics.median(tput):.0f} req/s"
+            )
 
 
 def _line(row: dict) -> str:
     r, n, a = row["router"], row["null"], row["added_ms"]
-    return (f"run {row['run']} {'stream' if row['stream'] else 'plain '}: "
-            f"router p50 {r['p50']:.2f} p90 {r['p90']:.2f} p99 {r['p99']:.2f} ms at "
-            f"{r['rate']:.0f} req/s ({r['ok']}/{r['sent']} ok) | null p50 {n['p50']:.2f} "
-            f"p99 {n['p99']:.2f} | added p50 {a['p50']:.2f} p90 {a['p90']:.2f} p99 "
-            f"{a['p99']:.2f} ms | closed-loop {row['max_rps']:.0f} req/s")
+    return (
+        f"run {row['run']} {'stream' if row['stream'] else 'plain '}: "
+        f"router p50 {r['p50']:.2f} p90 {r['p90']:.2f} p99 {r['p99']:.2f} ms at "
+        f"{r['rate']:.0f} req/s ({r['ok']}/{r['sent']} ok) | null p50 {n['p50']:.2f} "
+        f"p99 {n['p99']:.2f} | added p50 {a['p50']:.2f} p90 {a['p90']:.2f} p99 "
+        f"{a['p99']:.2f} ms | closed-loop {row['max_rps']:.0f} req/s"
+    )
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ class Job:
     skip_special_tokens: bool = True
     session_id: str | None = None
     namespace: str | None = None
+    session_ttl_s: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -52,6 +53,7 @@ class Job:
                         sampling=sampling,
                         namespace=self.namespace,
                         session_id=self.session_id,
+                        session_ttl_s=self.session_ttl_s if self.session_id else None,
                     )
                 )
         return out

@@ -193,6 +193,7 @@ class Router:
             body.skip_special_tokens,
             body.session_id or session_id,
             self.config.namespace,
+            self.config.session_ttl_s,
         )
 
     def _check_length(self, prompt_len: int, max_tokens: int | None) -> int:

@@ -30,8 +30,9 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def upstream(tokenizer):
-    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01), [FakeWorker("up0")],
-                     tokenizer=tokenizer)
+    app = create_app(
+        RouterConfig(model="tiny", event_poll_s=0.01), [FakeWorker("up0")], tokenizer=tokenizer
+    )
     with LiveServer(app) as server:
         yield server
 
@@ -82,8 +83,7 @@ def test_unreachable_server_is_backend_dead():
 def test_router_in_front_gives_the_same_tokens_as_the_server(front, upstream):
     assert front.router.workers.state("gone") == "dead"
     kwargs = dict(model="tiny", prompt="same answer through two routers " * 3, max_tokens=12)
-    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x").completions.create(
-        **kwargs)
+    direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x").completions.create(**kwargs)
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0)
     raw = client.completions.with_raw_response.create(**kwargs)
     assert raw.headers["x-radixray-worker"] == "h0"

@@ -82,13 +82,15 @@ def test_app_over_ray_workers_reports_real_cache_hits(actors):
         first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
         time.sleep(0.3)  # the router pulls the worker's KV events
         raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=messages, max_tokens=4)
+            model="tiny", messages=messages, max_tokens=4
+        )
         second = raw.parse()
         assert first.usage.completion_tokens == 4
         assert second.usage.prompt_tokens_details.cached_tokens >= 32
         assert app.state.router.core.index_blocks() > 0
-        stream = client.completions.create(model="tiny", prompt="stream me", max_tokens=5,
-                                           stream=True)
+        stream = client.completions.create(
+            model="tiny", prompt="stream me", max_tokens=5, stream=True
+        )
         assert sum(1 for c in stream if c.choices and c.choices[0].text is not None) >= 1
 
 
@@ -97,7 +99,8 @@ def test_killed_actor_is_backend_dead(actors):
     from worker.engine import EngineConfig
 
     victim = WorkerActor.options(num_cpus=0).remote(
-        EngineConfig(model=tiny_dir(), kv_tokens=512), "victim")
+        EngineConfig(model=tiny_dir(), kv_tokens=512), "victim"
+    )
     ray.get(victim.ready.remote(), timeout=180)
     ray.kill(victim)
     backend = RayBackend("victim", victim)

@@ -59,7 +59,8 @@ def test_worker_dies_before_first_token_request_retried_elsewhere(tokenizer):
     with serve(tokenizer, fault_after=0) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         raw = client.completions.with_raw_response.create(
-            model="tiny", prompt="before the first token", max_tokens=10)
+            model="tiny", prompt="before the first token", max_tokens=10
+        )
         resp = raw.parse()
         dead, alive = dead_and_alive(server)
         assert len(dead) == 1 and raw.headers["x-radixray-worker"] == alive[0].worker_id
@@ -77,8 +78,12 @@ def test_worker_dies_mid_stream_client_stream_goes_on(tokenizer):
     with serve(tokenizer, fault_after=5) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "keep streaming"}],
-            max_tokens=24, stream=True, stream_options={"include_usage": True})
+            model="tiny",
+            messages=[{"role": "user", "content": "keep streaming"}],
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = list(stream)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         dead, alive = dead_and_alive(server)
@@ -96,8 +101,11 @@ def test_every_worker_dead_gives_openai_error_not_a_hang(tokenizer):
     with serve(tokenizer, count=2) as server:
         for w in server.workers:
             w.dead = True
-        r = httpx.post(server.url + "/v1/completions",
-                       json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 3},
+            timeout=30,
+        )
         assert r.status_code == 503
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert not any(w.active for w in server.workers)
@@ -107,16 +115,22 @@ def test_retries_are_bounded(tokenizer):
     with serve(tokenizer, count=4, max_failovers=1) as server:
         for w in server.workers:
             w.die_after = 0
-        r = httpx.post(server.url + "/v1/completions",
-                       json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=30)
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 3},
+            timeout=30,
+        )
         assert r.status_code == 503
         assert sum(w.dead for w in server.workers) == 2  # first try + one failover
 
 
 def test_dead_worker_is_readded_when_it_answers_again(tokenizer):
     with serve(tokenizer, fault_after=0, revive_s=0.05) as server:
-        httpx.post(server.url + "/v1/completions",
-                   json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+        httpx.post(
+            server.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+            timeout=30,
+        )
         dead, _ = dead_and_alive(server)
         assert len(dead) == 1
         dead[0].dead = False

@@ -93,8 +93,10 @@ def test_prompt_ids_are_a_prefix_of_the_next_turn(tok):
     """What makes multi-turn chat hit the cache: turn k's prompt is a prefix of turn k+1's."""
     turn1 = [{"role": "user", "content": "hello"}]
     ids1 = tok.apply_chat(turn1)
-    turn2 = turn1 + [{"role": "assistant", "content": "hi there"},
-                     {"role": "user", "content": "more"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": "hi there"},
+        {"role": "user", "content": "more"},
+    ]
     assert tok.apply_chat(turn2)[: len(ids1)] == ids1
 
 
