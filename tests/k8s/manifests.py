@@ -88,3 +88,32 @@ def head_serve_argv(resource: dict[str, Any]) -> list[str]:
             end = next((j for j, w in enumerate(tail) if w in ("&&", ";", "||", "&")), len(tail))
             return tail[:end]
     raise ValueError("no `radixray serve` in the head command")
+
+
+def import_or_skip(name: str, owner: str) -> Any:
+    """Imports ``name``; skips while it, or a module of its own package, is not written yet
+    (several helpers build this repository at once). Any other import error fails."""
+    import importlib
+
+    import pytest
+
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and exc.name.split(".")[0] == name.split(".")[0]:
+            pytest.skip(f"{exc.name} is not there yet ({owner}'s code), needed by {name}")
+        raise
+
+
+def dockerfile_instructions(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of k8s/<name>, continuations joined and comments dropped."""
+    import re
+
+    joined = re.sub(r"\\\n", " ", (K8S / name).read_text())
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out

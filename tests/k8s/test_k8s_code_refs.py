@@ -1,13 +1,12 @@
-"""What the manifests and images name exists in the code: the Serve import path and its
-deployments, the `radixray serve` flags of the RayCluster head, the programs the images run,
-the packages they copy, and the metric names the dashboard queries."""
+"""What the manifests name exists in the code: the Serve import path, its deployments and its
+`args`, the `radixray serve` flags of the RayCluster head (and that its shell command runs),
+the routing policies, the console script, and the built-in models."""
 
 from __future__ import annotations
 
-import importlib
-import json
-import re
+import os
 import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -16,18 +15,6 @@ tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 # The knobs every deployment sets (DESIGN.md / BRIEF.md); the API key comes from a Secret.
 KNOBS = ("model", "workers", "gpus_per_worker", "device", "policy", "kv_tokens", "page_size")
-
-
-def _import_or_skip(name: str, owner: str) -> Any:
-    """Imports ``name``; skips while it, or a module of its own package, is not written yet
-    (several helpers build this repository at once). Any other import error fails."""
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        package = name.split(".")[0]
-        if exc.name is not None and exc.name.split(".")[0] == package:
-            pytest.skip(f"{exc.name} is not there yet ({owner}'s code), needed by {name}")
-        raise
 
 
 def _services(rendered: dict, kube: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -49,7 +36,7 @@ def test_serve_import_path_builds_an_application(rendered: dict, kube: Any) -> N
     for _, service in _services(rendered, kube):
         app = _app(kube, service)
         module_name, attr = app["import_path"].split(":")
-        module = _import_or_skip(module_name, "helper E")
+        module = kube.import_or_skip(module_name, "helper E")
         application = getattr(module, attr)(app["args"])  # binds lazily: no Ray needed
         assert isinstance(application, serve.Application)
 
@@ -59,14 +46,14 @@ def test_serve_deployment_overrides_name_real_deployments(rendered: dict, kube: 
 
     for _, service in _services(rendered, kube):
         app = _app(kube, service)
-        module = _import_or_skip(app["import_path"].split(":")[0], "helper E")
+        module = kube.import_or_skip(app["import_path"].split(":")[0], "helper E")
         names = {d.name for d in vars(module).values() if isinstance(d, serve.Deployment)}
         for deployment in app.get("deployments", []):
             assert deployment["name"] in names, (deployment["name"], names)
 
 
 def test_serve_args_are_the_serve_flags_in_snake_case(rendered: dict, kube: Any) -> None:
-    config = _import_or_skip("cluster.config", "helper E")
+    config = kube.import_or_skip("cluster.config", "helper E")
     for overlay, service in _services(rendered, kube):
         args = _app(kube, service)["args"]
         assert set(KNOBS) <= set(args), (overlay, sorted(args))
@@ -75,7 +62,7 @@ def test_serve_args_are_the_serve_flags_in_snake_case(rendered: dict, kube: Any)
 
 
 def _parse_head_command(kube: Any, cluster: dict[str, Any]) -> Any:
-    cli = _import_or_skip("cluster.cli", "helper E")
+    cli = kube.import_or_skip("cluster.cli", "helper E")
     argv = kube.head_serve_argv(cluster)
     parser = cli.build_parser()
     try:
@@ -85,8 +72,8 @@ def _parse_head_command(kube: Any, cluster: dict[str, Any]) -> Any:
 
 
 def test_raycluster_head_runs_radixray_serve_with_real_flags(rendered: dict, kube: Any) -> None:
-    cli = _import_or_skip("cluster.cli", "helper E")
-    config = _import_or_skip("cluster.config", "helper E")
+    cli = kube.import_or_skip("cluster.cli", "helper E")
+    config = kube.import_or_skip("cluster.config", "helper E")
     subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
     serve_help = subparsers.choices["serve"].format_help()
     clusters = _clusters(rendered, kube)
@@ -132,7 +119,7 @@ def test_knobs_fit_the_worker_pods(rendered: dict, kube: Any) -> None:
 
 
 def test_policies_exist(rendered: dict, kube: Any) -> None:
-    policies = _import_or_skip("router.policies", "helper C1")
+    policies = kube.import_or_skip("router.policies", "helper C1")
     names = set(policies.POLICY_NAMES)
     for _, service in _services(rendered, kube):
         assert _app(kube, service)["args"]["policy"] in names
@@ -143,96 +130,13 @@ def test_policies_exist(rendered: dict, kube: Any) -> None:
 def test_console_script_the_head_runs_exists(kube: Any) -> None:
     scripts = tomllib.loads((kube.REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module_name, attr = scripts["radixray"].split(":")
-    assert callable(getattr(_import_or_skip(module_name, "helper E"), attr))
-
-
-# --- the images -------------------------------------------------------------------------------
-
-DOCKERFILES = ("Dockerfile.cpu", "Dockerfile.cuda")
-
-
-def _instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
-    joined = re.sub(r"\\\n", " ", text)
-    out = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
-
-
-@pytest.fixture(scope="module", params=DOCKERFILES)
-def dockerfile(request: pytest.FixtureRequest, kube: Any) -> list[tuple[str, str]]:
-    return _instructions((kube.K8S / request.param).read_text())
-
-
-def test_image_follows_ray_conventions(dockerfile: list) -> None:
-    froms = [a for i, a in dockerfile if i == "FROM"]
-    assert len(froms) == 1 and froms[0].startswith("rayproject/ray:${RAY_VERSION}-py311-")
-    assert ("USER", "ray") in dockerfile
-    (cmd,) = [json.loads(a) for i, a in dockerfile if i == "CMD"]
-    assert cmd[:2] == ["ray", "start"]
-    assert not [a for i, a in dockerfile if i == "ENTRYPOINT"]  # KubeRay supplies the command
-
-
-def test_image_entry_program_and_flags_exist(dockerfile: list) -> None:
-    from ray.scripts.scripts import start
-
-    (cmd,) = [json.loads(a) for i, a in dockerfile if i == "CMD"]
-    assert shutil.which(cmd[0]), f"{cmd[0]} is not installed"
-    options = {opt for param in start.params for opt in param.opts}
-    for word in cmd[2:]:
-        assert word.split("=")[0] in options, f"`ray start` has no {word}"
-
-
-def test_image_pins_torch(kube: Any) -> None:
-    cpu = (kube.K8S / "Dockerfile.cpu").read_text()
-    cuda = (kube.K8S / "Dockerfile.cuda").read_text()
-    assert re.search(r"pip install .*torch==2\.13\.0 .*download\.pytorch\.org/whl/cpu", cpu)
-    assert re.search(r"pip install .*torch==2\.13\.0 ", cuda) and "whl/cpu" not in cuda
-
-
-def test_image_copies_every_package_and_pregenerates_tiny(dockerfile: list, kube: Any) -> None:
-    pyproject = tomllib.loads((kube.REPO / "pyproject.toml").read_text())
-    include = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {p.rstrip("*") for p in include}
-    copied = set()
-    for instruction, args in dockerfile:
-        if instruction == "COPY":
-            copied |= {w for w in args.split()[:-1] if not w.startswith("--")}
-    assert packages | {"pyproject.toml", "README.md"} <= copied
-    for path in copied:
-        assert (kube.REPO / path).exists(), path
-    runs = " ".join(a for i, a in dockerfile if i == "RUN")
-    for module_name, attr in re.findall(r"from ([\w.]+) import (\w+)", runs):
-        module = _import_or_skip(module_name, "helper B1")
-        assert hasattr(module, attr), f"{module_name}.{attr} does not exist"
-    baked = dict(a.split("=", 1) for i, a in dockerfile if i == "ARG" and "=" in a)
-    assert "tiny" in baked["BUILTIN_MODELS"].strip('"').split()
-
-
-def test_dockerignore_keeps_what_the_images_copy(dockerfile: list, kube: Any) -> None:
-    patterns = [
-        line.strip() for line in (kube.REPO / ".dockerignore").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    assert patterns[0] == "*"  # an allow-list: nothing reaches the daemon unless named
-    allowed = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
-    for instruction, args in dockerfile:
-        if instruction == "COPY":
-            for path in (w for w in args.split()[:-1] if not w.startswith("--")):
-                assert path in allowed, f".dockerignore drops {path}"
+    assert callable(getattr(kube.import_or_skip(module_name, "helper E"), attr))
 
 
 def test_head_command_starts_ray_then_execs_the_router(
     rendered: dict, kube: Any, tmp_path: Any
 ) -> None:
     """Runs each RayCluster head's shell command with stand-ins for `ray` and `radixray`."""
-    import os
-    import subprocess
-
     bash = shutil.which("bash")
     if bash is None:
         pytest.skip("no bash")
@@ -258,14 +162,14 @@ def test_head_command_starts_ray_then_execs_the_router(
 
 def _baked_models(kube: Any, dockerfile: str) -> set[str]:
     args = dict(
-        a.split("=", 1) for i, a in _instructions((kube.K8S / dockerfile).read_text())
+        a.split("=", 1) for i, a in kube.dockerfile_instructions(dockerfile)
         if i == "ARG" and "=" in a
     )
     return set(args["BUILTIN_MODELS"].strip('"').split())
 
 
 def test_models_are_built_in_and_baked_into_the_image(rendered: dict, kube: Any) -> None:
-    builtin = _import_or_skip("worker.models.builtin", "helper B1")
+    builtin = kube.import_or_skip("worker.models.builtin", "helper B1")
     models = {o: _knobs_of_service(kube, s)["model"] for o, s in _services(rendered, kube)}
     models |= {o: _parse_head_command(kube, c).model for o, c in _clusters(rendered, kube)}
     for overlay, model in models.items():
@@ -274,5 +178,5 @@ def test_models_are_built_in_and_baked_into_the_image(rendered: dict, kube: Any)
         assert model in builtin.BUILTIN_MODELS, (overlay, model)
         dockerfile = "Dockerfile.cuda" if overlay.startswith("gpu") else "Dockerfile.cpu"
         assert model in _baked_models(kube, dockerfile), (overlay, model, dockerfile)
-    for dockerfile in DOCKERFILES:
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.cuda"):
         assert _baked_models(kube, dockerfile) <= set(builtin.BUILTIN_MODELS)
