@@ -75,13 +75,16 @@ def test_raycluster_head_runs_radixray_serve_with_real_flags(rendered: dict, kub
     cli = kube.import_or_skip("cluster.cli", "helper E")
     config = kube.import_or_skip("cluster.config", "helper E")
     subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    serve_help = subparsers.choices["serve"].format_help()
+    serve_parser = subparsers.choices["serve"]
+    serve_help = serve_parser.format_help()
+    # exact option strings: argparse would also accept an abbreviation such as --kv-token
+    options = {s for action in serve_parser._actions for s in action.option_strings}
     clusters = _clusters(rendered, kube)
     assert clusters
     for _, cluster in clusters:
         argv = kube.head_serve_argv(cluster)
         for flag in (w.split("=")[0] for w in argv if w.startswith("--")):
-            assert flag in serve_help, f"{flag} is not a `radixray serve` flag"
+            assert flag in options and flag in serve_help, f"{flag}: no such `radixray serve` flag"
         ns = _parse_head_command(kube, cluster)
         assert ns.address == "auto" and ns.host == "0.0.0.0"
         config.ClusterConfig.from_args(ns)
