@@ -30,7 +30,7 @@ import uvicorn
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement
-from cluster.router_link import build_router
+from cluster.router_link import build_router, join, pool_backends
 from cluster.worker_pool import Worker, WorkerPool
 from worker.models.builtin import resolve_model
 
@@ -126,8 +126,11 @@ class Launcher:
     async def _serve(self, count: int, model_dir: str, started: Future) -> None:
         assert self.pool is not None
         progress = _Progress(count, self.echo)
+        loop = asyncio.get_running_loop()
+        # The router (its tokenizer) loads in a thread while the workers load their models.
+        app = loop.run_in_executor(None, build_router, self.config, model_dir, self.pool)
         await self.pool.start(count, progress.update)
-        self.app = build_router(self.config, model_dir, self.pool)
+        self.app = await app
         uv = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.port,
             log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
@@ -139,6 +142,7 @@ class Launcher:
         if serving.done():
             serving.result()
             raise RuntimeError(f"the router could not listen on {self.url}")
+        await join(self.app, pool_backends(self.pool))
         self._watch = asyncio.create_task(self.pool.watch())
         started.set_result(None)
         await serving

@@ -15,6 +15,8 @@ Who does what on a change:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastapi import FastAPI
 
 from cluster.config import ClusterConfig
@@ -52,9 +54,23 @@ def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:
     )
 
 
-def build_router(config: ClusterConfig, model_dir: str, pool: WorkerPool) -> FastAPI:
-    """The FastAPI router over the pool's current workers; links the pool to it."""
-    backends = [RayBackend(w.worker_id, w.actor) for w in pool.workers.values()]
+def pool_backends(pool: WorkerPool) -> list[RayBackend]:
+    """A Ray backend for each of the pool's workers."""
+    return [RayBackend(w.worker_id, w.actor) for w in pool.workers.values()]
+
+
+def build_router(
+    config: ClusterConfig, model_dir: str, pool: WorkerPool, backends: Sequence[RayBackend] = ()
+) -> FastAPI:
+    """The FastAPI router over `backends` (they join when it starts), linked to the pool.
+
+    Safe to call in another thread while the pool's workers load (the tokenizer loads here)."""
     app = create_app(router_config(config, model_dir), backends, control=PoolControl(pool))
     pool.link = app.state.router.workers
     return app
+
+
+async def join(app: FastAPI, backends: Sequence[RayBackend]) -> None:
+    """Register workers with a running router (each joins with its snapshot)."""
+    for backend in backends:
+        await app.state.router.workers.add(backend)

@@ -19,7 +19,7 @@ from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement
-from cluster.router_link import build_router
+from cluster.router_link import build_router, pool_backends
 from cluster.worker_pool import WorkerPool
 from worker.models.builtin import resolve_model
 
@@ -45,7 +45,7 @@ class RadixrayRouter:
         model_dir = str(resolve_model(self.config.model))
         self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
         await self.pool.start(count)
-        self.app = build_router(self.config, model_dir, self.pool)
+        self.app = build_router(self.config, model_dir, self.pool, pool_backends(self.pool))
         self._watch = asyncio.get_running_loop().create_task(self.pool.watch())
 
     def __serve_build_asgi_app__(self) -> Any:

@@ -1,0 +1,161 @@
+"""End to end through the launcher: a real local Ray, 2 CPU workers of `tiny`, the router over
+uvicorn, and the official `openai` client."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import uuid
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster.cli import main as cli_main
+from cluster.config import ClusterConfig
+from cluster.launcher import Launcher
+
+pytestmark = pytest.mark.ray
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+
+
+def long_text(seed: int, words: int = 120) -> str:
+    """A distinct, deterministic text of ~`words` words (a few hundred tokens)."""
+    return " ".join(WORDS[(seed * 7 + i * (seed + 3)) % len(WORDS)] for i in range(words))
+
+
+@pytest.fixture(scope="module")
+def cluster(helpers):
+    ray.init(num_cpus=4, include_dashboard=False)
+    launcher = Launcher(ClusterConfig(port=helpers.free_port(), kv_tokens=8192, workers=2))
+    try:
+        launcher.start()
+        yield launcher
+    finally:
+        launcher.stop()
+        ray.shutdown()
+
+
+@pytest.fixture()
+def client(cluster, helpers):
+    yield openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    helpers.assert_idle_accounting(cluster.url)
+
+
+def chat(client, content: str, max_tokens: int = 8, **kw):
+    """(parsed response, serving worker) of one greedy chat request."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": content}],
+        max_tokens=max_tokens, temperature=0, **kw,
+    )
+    return raw.parse(), raw.headers["x-radixray-worker"]
+
+
+def test_chat_and_completions_stream_and_not(client, cluster):
+    workers = set(cluster.pool.workers)
+    resp, worker = chat(client, "Hello there!", max_tokens=6, extra_body={"ignore_eos": True})
+    assert worker in workers
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 6
+
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Stream please"}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    comp = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                     extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 5 and comp.choices[0].finish_reason == "length"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=5, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        if c.choices
+    )
+    again = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert streamed == again.choices[0].text
+
+
+def test_repeated_long_prompt_reports_cached_tokens(client):
+    prompt = long_text(1)
+    first, w1 = chat(client, prompt)
+    second, w2 = chat(client, prompt)
+    assert first.usage.prompt_tokens > 100
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert w1 == w2
+
+
+def test_greedy_output_equal_with_and_without_cache_hit(client):
+    prompt = uuid.uuid4().hex + " " + long_text(2)  # unique from its first word on
+    miss, _ = chat(client, prompt, max_tokens=16, extra_body={"ignore_eos": True})
+    hit, _ = chat(client, prompt, max_tokens=16, extra_body={"ignore_eos": True})
+    # A miss reuses at most the chat template's opening tokens, a hit nearly the whole prompt.
+    assert miss.usage.prompt_tokens_details.cached_tokens < 16
+    assert hit.usage.prompt_tokens_details.cached_tokens > hit.usage.prompt_tokens - 16
+    assert hit.choices[0].message.content == miss.choices[0].message.content
+
+
+def test_each_prefix_sticks_to_one_worker_and_both_workers_are_used(client):
+    prefixes = [long_text(10 + i) for i in range(4)]
+    served: dict[int, set[str]] = {i: set() for i in range(4)}
+    with cf.ThreadPoolExecutor(4) as pool:
+        for turn in range(3):  # each round: one request per prefix, all at once
+            futures = {
+                pool.submit(chat, client, f"{p}\nQuestion {turn}: why?"): i
+                for i, p in enumerate(prefixes)
+            }
+            for future, i in futures.items():
+                served[i].add(future.result()[1])
+    assert all(len(workers) == 1 for workers in served.values()), served
+    assert len(set().union(*served.values())) == 2, served
+
+
+def test_session_turns_stay_on_one_worker(client, cluster):
+    session = "s-" + uuid.uuid4().hex
+    messages = [{"role": "user", "content": long_text(20, 60)}]
+    workers = set()
+    for turn in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0,
+            extra_headers={"X-Session-ID": session},
+        )
+        workers.add(raw.headers["x-radixray-worker"])
+        answer = raw.parse().choices[0].message.content
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": f"and turn {turn}?"}]
+    assert len(workers) == 1
+    closed = httpx.delete(f"{cluster.url}/v1/sessions/{session}", timeout=30).json()
+    assert closed["deleted"] is True
+
+
+def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
+    url = cluster.url
+    assert cli_main(["workers", "add", "--url", url]) == 0
+    added = [w for w in cluster.pool.workers if w not in ("worker-0", "worker-1")]
+    assert len(added) == 1
+    helpers.wait_for(lambda: any(r["id"] == added[0] and r["state"] == "ready"
+                                 for r in helpers.workers_json(url)), 60, "the new worker")
+    # The new worker takes load: a burst of distinct prompts spreads over all three.
+    with cf.ThreadPoolExecutor(6) as pool:
+        used = {w for _, w in pool.map(lambda i: chat(client, long_text(40 + i)), range(6))}
+    assert used <= set(cluster.pool.workers)
+
+    assert cli_main(["workers", "drain", added[0], "--url", url]) == 0
+    assert added[0] not in cluster.pool.workers
+    assert added[0] not in {r["id"] for r in helpers.workers_json(url)}
+
+    assert cli_main(["workers", "add", "--url", url, "--count", "1"]) == 0
+    [again] = [w for w in cluster.pool.workers if w not in ("worker-0", "worker-1")]
+    assert cli_main(["workers", "remove", again, "--url", url]) == 0
+    assert sorted(cluster.pool.workers) == ["worker-0", "worker-1"]
+    assert cli_main(["workers", "remove", "worker-9", "--url", url]) == 1
+    assert "404" in capsys.readouterr().err
+    # The same requests still work on the remaining two.
+    _, worker = chat(client, "still serving?")
+    assert worker in ("worker-0", "worker-1")
