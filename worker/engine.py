@@ -13,12 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from mem_cache.allocator import KVAllocator
-from mem_cache.kv_pool import KVPool, ReqToTokenPool
+from mem_cache.kv_pool import ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
-from worker.attention import AttentionBatch
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory
-from worker.models import load_model
+from worker.model_runner import ModelRunner
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 from worker.request import Request, Status
 from worker.sampling import sample, stop_ids
@@ -52,19 +51,17 @@ class Engine:
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)
-        dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-        self.model = load_model(config.model, self.device, dtype, config.attention)
+        self.runner = ModelRunner(config.model, self.device, config.dtype, config.attention)
+        self.model = self.runner.model
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)
-        self.kv_pool = KVPool(1, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, self.device)
-        kv_tokens = config.kv_tokens or _default_kv_tokens(
-            config, self.kv_pool.bytes_per_slot(), self.max_context
+        kv_tokens = config.kv_tokens or self.runner.default_kv_tokens(
+            config.max_running * self.max_context
         )
         kv_tokens = kv_tokens // config.page_size * config.page_size
-        self.kv_pool = KVPool(
-            kv_tokens, mc.num_layers, mc.num_kv_heads, mc.head_dim, mc.dtype, self.device
-        )
+        self.runner.allocate_kv(kv_tokens)
+        self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = (
             RadixCache(allocator, config.page_size, config.block_size)
@@ -153,7 +150,7 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> list[TokenChunk]:
         started = time.perf_counter()
-        logits, sampled = self._forward(batch)
+        logits, sampled = self.runner.forward(batch, self.memory.rows.req_to_token)
         prefill = 0
         self.num_computed_tokens += sum(batch.num_new)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
@@ -164,33 +161,6 @@ class Engine:
         chunks = self._sample(logits, sampled) if sampled else []
         self._measure(time.perf_counter() - started, prefill)
         return chunks
-
-    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots, kv_slots, kv_lens, logits_at, sampled = [], [], [], [], []
-        table = self.memory.rows.req_to_token
-        for req, n in zip(batch.requests, batch.num_new, strict=True):
-            start, end = req.num_computed, req.num_computed + n
-            row = table[req.row]
-            ids.extend(req.tokens[start:end])
-            positions.extend(range(start, end))
-            slots.append(row[start:end])
-            kv_slots.append(row[:end])
-            kv_lens.append(end)
-            if end == len(req.tokens):
-                logits_at.append(len(ids) - 1)
-                sampled.append(req)
-        attn = AttentionBatch(list(batch.num_new), kv_lens, torch.cat(slots), kv_slots)
-        dev = self.device
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            attn,
-            self.kv_pool,
-            torch.tensor(logits_at, dtype=torch.int64, device=dev),
-        )
-        return logits, sampled
 
     def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> list[TokenChunk]:
         result = sample(logits, sampled, self.eos_token_ids, self.generator)
@@ -300,15 +270,3 @@ class Engine:
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old == 0.0 else (1 - weight) * old + weight * new
-
-
-def _default_kv_tokens(config: EngineConfig, bytes_per_slot: int, max_context: int) -> int:
-    """GPU: 85% of free device memory. CPU: 20% of available RAM, at most what max_running
-    full-context requests need."""
-    if config.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
-        return int(free * 0.85) // bytes_per_slot
-    import os
-
-    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(int(avail * 0.2) // bytes_per_slot, config.max_running * max_context)
