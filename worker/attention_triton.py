@@ -1,11 +1,13 @@
 """A Triton paged-attention kernel (prefill, chunked prefill and decode in one launch).
 
 Imported only by `make_attention("triton")`: it needs the `triton` package and a CUDA device
-(ImportError otherwise). One program handles one sequence, one query head and a block of
-`BLOCK_M` queries; it walks that sequence's KV slots `BLOCK_N` at a time, gathering K and V
-rows straight from the pool by slot id (page size 1 in the kernel's eyes, so any radix-cache
-page size works), with an online softmax. The causal mask is aligned to the end: query `i` of a
-sequence with `q_len` new tokens and `kv_len` in all sits at position `kv_len - q_len + i`.
+(ImportError otherwise). One program handles one sequence, one KV head and a block of
+`BLOCK_M` (query, head) rows, the query heads of that KV head's group packed side by side so a
+decode step loads each K/V row once per group. It walks the sequence's KV slots `BLOCK_N` at a
+time, gathering K and V rows straight from the pool by slot id (page size 1 in the kernel's
+eyes, so any radix-cache page size works), with an online softmax. The causal mask is aligned
+to the end: query `i` of a sequence with `q_len` new tokens and `kv_len` in all sits at
+position `kv_len - q_len + i`.
 GPU-only: tested against the torch backend in tests/worker/test_attention_gpu.py.
 """
 
@@ -35,32 +37,35 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    seq, head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, kv_head, m_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(q_indptr + seq)
     q_len = tl.load(q_indptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if m_block * BLOCK_M >= q_len * GROUP:
         return
     kv_start = tl.load(kv_indptr + seq)
     kv_len = tl.load(kv_indptr + seq + 1) - kv_start
-    kv_head = head // GROUP
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r of the block is (query (m_block*BLOCK_M + r) // GROUP, head r % GROUP of this KV
+    # head's group): the group's heads share every K/V load.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    query, head = rows // GROUP, kv_head * GROUP + rows % GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask, d_mask = offs_m < q_len, offs_d < HEAD_DIM
-    q_rows = (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_rows, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    q_pos = kv_len - q_len + offs_m  # absolute positions of the queries
+    m_mask, d_mask = query < q_len, offs_d < HEAD_DIM
+    q_offs = (q_start + query)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_pos = kv_len - q_len + query  # absolute positions of the queries
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    kv_end = tl.minimum(kv_len, kv_len - q_len + (m_block + 1) * BLOCK_M)  # causal bound
+    last_query = (m_block * BLOCK_M + BLOCK_M - 1) // GROUP
+    kv_end = tl.minimum(kv_len, kv_len - q_len + last_query + 1)  # causal bound
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
         slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0)
-        k_cols = slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
-        k = tl.load(k_ptr + k_cols, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
+        k_offs = slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
+        k = tl.load(k_ptr + k_offs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -68,15 +73,14 @@ def _paged_attention_kernel(
         p = tl.exp(qk - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
-        v = tl.load(v_ptr + v_rows, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        v_offs = slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :]
+        v = tl.load(v_ptr + v_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     acc = acc / l_i[:, None]
-    o_rows = (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(
-        out_ptr + o_rows, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :]
-    )
+    o_offs = (q_start + query)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    o_mask = m_mask[:, None] & d_mask[None, :]
+    tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 class TritonAttention(AttentionBackend):
@@ -97,14 +101,16 @@ class TritonAttention(AttentionBackend):
         k_buf, v_buf = kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]
         q = q.contiguous()
         out = torch.empty_like(q)
-        grid = (len(batch.q_lens), num_heads, triton.cdiv(max_q_len, self.block_m))
+        kv_heads = k_buf.shape[1]
+        group = num_heads // kv_heads
+        grid = (len(batch.q_lens), kv_heads, triton.cdiv(max_q_len * group, self.block_m))
         _paged_attention_kernel[grid](
             q, k_buf, v_buf, out,
             q_indptr, kv_indptr, kv_indices,
             head_dim**-0.5,
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
             v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
-            GROUP=num_heads // k_buf.shape[1], HEAD_DIM=head_dim,
+            GROUP=group, HEAD_DIM=head_dim,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         )  # fmt: skip
