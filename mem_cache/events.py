@@ -75,6 +75,35 @@ def block_hashes(
     return _splitmix64(prefix ^ np.uint64(namespace_seed(namespace))).tolist()
 
 
+def extend_block_states(
+    tokens: Sequence[int], start: int, state: int = 0, block_size: int = 16
+) -> tuple[np.ndarray, int]:
+    """The running hash state at each block end inside `tokens` (which follow `start` earlier
+    tokens whose running state is `state`, 0 at a sequence start), and the state after them.
+
+    A block's hash is `hash_block_states` of the state at its end, so a radix tree that keeps
+    the states of its blocks can hash what it adds, or find the state anywhere on a path,
+    without going back over earlier tokens.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n = len(tokens)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64), state
+    mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(start + n)[start:])
+    # uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this).
+    sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
+    first_end = (block_size - 1 - start) % block_size  # index of the first block end in `tokens`
+    return sums[first_end::block_size].copy(), int(sums[-1])
+
+
+def hash_block_states(states: np.ndarray, namespace: str | None = None) -> list[int]:
+    """Block hashes from the running states at the blocks' ends (see `extend_block_states`)."""
+    if len(states) == 0:
+        return []
+    return _splitmix64(states ^ np.uint64(namespace_seed(namespace))).tolist()
+
+
 def extend_block_hashes(
     tokens: Sequence[int],
     start: int,
@@ -88,20 +117,10 @@ def extend_block_hashes(
     second value this function returned for them otherwise). Returns the hashes of the blocks
     that end inside `tokens` and the state after them, so that for any split of a sequence
     `block_hashes(a + b) == block_hashes(a) + extend_block_hashes(b, len(a), s_a)[0]` where
-    `s_a = extend_block_hashes(a, 0)[1]`. A radix tree uses it to hash only the tokens it adds.
+    `s_a = extend_block_hashes(a, 0)[1]`.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    n = len(tokens)
-    if n == 0:
-        return [], state
-    mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(start + n)[start:])
-    # uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this).
-    sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
-    first_end = (block_size - 1 - start) % block_size  # index of the first block end in `tokens`
-    ends = sums[first_end::block_size]
-    hashes = _splitmix64(ends ^ np.uint64(namespace_seed(namespace))).tolist() if len(ends) else []
-    return hashes, int(sums[-1])
+    states, end = extend_block_states(tokens, start, state, block_size)
+    return hash_block_states(states, namespace), end
 
 
 # --- events -------------------------------------------------------------------------------------
