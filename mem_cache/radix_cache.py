@@ -35,7 +35,13 @@ from mem_cache.allocator import (
     slots_to_pages,
 )
 from mem_cache.block_ledger import BlockLedger, snapshot_stored
-from mem_cache.events import DEVICE, AllCleared, KVEvent, extend_block_hashes
+from mem_cache.events import (
+    DEVICE,
+    AllCleared,
+    KVEvent,
+    extend_block_states,
+    hash_block_states,
+)
 from mem_cache.radix_integrity import check_tree
 from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, common_prefix_tokens, make_root
 
@@ -156,7 +162,7 @@ class RadixCache:
                 node = child
                 path.append(child)
                 continue
-            shared = common_prefix_tokens(key, query[pos:]) // self.page_size * self.page_size
+            shared = common_prefix_tokens(key, query, pos) // self.page_size * self.page_size
             node = self._split(child, shared)
             path.append(node)
             pos += shared * TOKEN_BYTES
@@ -174,9 +180,6 @@ class RadixCache:
         assert parent is not None
         bs = self.block_size
         num_blocks = (child.start + length) // bs - child.start // bs
-        _, state = extend_block_hashes(
-            child.tokens()[:length], child.start, parent.hash_state, child.namespace, bs
-        )
         upper = TreeNode(
             parent,
             child.key[:cut],
@@ -184,7 +187,8 @@ class RadixCache:
             child.namespace,
             child.start,
             child.hashes[:num_blocks],
-            state,
+            child.block_states[:num_blocks].copy(),
+            self._state_at(child, length),
             child.last_access,
         )
         upper.lock_ref = child.lock_ref
@@ -194,10 +198,25 @@ class RadixCache:
             child.value = child.value[length // self.page_size :].copy()
         child.start += length
         child.hashes = child.hashes[num_blocks:]
+        child.block_states = child.block_states[num_blocks:].copy()
         child.parent = upper
         upper.children[child.key[: self._page_bytes]] = child
         self._num_nodes += 1
         return upper
+
+    def _state_at(self, node: TreeNode, length: int) -> int:
+        """The running hash state after the first `length` tokens of `node`: from the last
+        block end before that point (or the node's start), mixing fewer than a block of tokens."""
+        bs, start = self.block_size, node.start
+        end = start + length
+        last_block_end = end // bs * bs
+        if last_block_end > start:
+            base_pos = last_block_end
+            base = int(node.block_states[(last_block_end // bs) - start // bs - 1])
+        else:
+            base_pos, base = start, node.parent.hash_state  # type: ignore[union-attr]
+        tokens = node.tokens()[base_pos - start : length]
+        return extend_block_states(tokens, base_pos, base, bs)[1]
 
     def _add_leaf(
         self,
@@ -210,12 +229,19 @@ class RadixCache:
         namespace: str | None,
     ) -> None:
         """Hang tokens `pos..n` under `parent` (which ends at `pos`); the tree takes their slots."""
-        hashes, state = extend_block_hashes(
-            arr[pos:n], pos, parent.hash_state, namespace, self.block_size
-        )
+        states, state = extend_block_states(arr[pos:n], pos, parent.hash_state, self.block_size)
+        hashes = hash_block_states(states, namespace)
         value = None if values is None else slots_to_pages(values[pos:n], self.page_size).copy()
         leaf = TreeNode(
-            parent, query[pos * TOKEN_BYTES :], value, namespace, pos, hashes, state, self._tick
+            parent,
+            query[pos * TOKEN_BYTES :],
+            value,
+            namespace,
+            pos,
+            hashes,
+            states,
+            state,
+            self._tick,
         )
         parent.children[self._child_key(leaf)] = leaf
         self._evictable += n - pos
@@ -245,7 +271,8 @@ class RadixCache:
         values = [node.value for node in path]
         if not values or any(v is None for v in values):
             return _EMPTY.clone()
-        return torch.from_numpy(pages_to_slots(np.concatenate(values), self.page_size))
+        pages = values[0] if len(values) == 1 else np.concatenate(values)
+        return torch.from_numpy(pages_to_slots(pages, self.page_size))  # a new array
 
     # --- locks ------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mem_cache.allocator import pages_to_slots
-from mem_cache.events import extend_block_hashes
+from mem_cache.events import extend_block_states, hash_block_states
 from mem_cache.radix_node import TreeNode
 
 if TYPE_CHECKING:
@@ -77,10 +77,11 @@ def _check_hashes(cache: RadixCache, parent: TreeNode, node: TreeNode) -> None:
     assert len(node.hashes) == node.end // bs - node.start // bs, (
         "events: node does not hold exactly the blocks that end inside it"
     )
-    hashes, state = extend_block_hashes(
-        node.tokens(), node.start, parent.hash_state, node.namespace, bs
+    states, state = extend_block_states(node.tokens(), node.start, parent.hash_state, bs)
+    assert hash_block_states(states, node.namespace) == list(node.hashes), (
+        "events: block hashes do not match the node's tokens"
     )
-    assert hashes == list(node.hashes), "events: block hashes do not match the node's tokens"
+    assert np.array_equal(states, node.block_states), "events: block states do not match"
     assert state == node.hash_state, "events: hash state does not match the node's tokens"
 
 

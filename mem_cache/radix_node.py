@@ -6,8 +6,10 @@ hold them (one int64 per page, so 1/page_size of a slot list) as a numpy array t
 owns (a copy, never a view); `None` in a pure index. `start` is how many tokens precede the
 edge on its path from the root; `hashes` are the block hashes of the blocks that END inside the
 edge (block `j` ends at token `(j + 1) * block_size`), so splitting a node splits that list and
-a block is reported exactly once, by the node where it ends. `hash_state` is the running block
-hash state after the edge (see `events.extend_block_hashes`).
+a block is reported exactly once, by the node where it ends. `block_states` are the running
+hash states at those block ends and `hash_state` the state after the edge (see
+`events.extend_block_states`): with them the tree hashes only the tokens it adds and finds the
+state at a split point by mixing fewer than `block_size` tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class TreeNode:
         "namespace",
         "start",
         "hashes",
+        "block_states",
         "hash_state",
         "lock_ref",
         "locks_here",
@@ -47,6 +50,7 @@ class TreeNode:
         namespace: str | None,
         start: int,
         hashes: list[int],
+        block_states: np.ndarray,
         hash_state: int,
         last_access: int,
     ) -> None:
@@ -57,6 +61,7 @@ class TreeNode:
         self.namespace = namespace
         self.start = start
         self.hashes = hashes
+        self.block_states = block_states
         self.hash_state = hash_state
         self.lock_ref = 0  # locks on paths through this node
         self.locks_here = 0  # of which end at this node (only these may be unlocked here)
@@ -83,7 +88,7 @@ class TreeNode:
 
 def make_root() -> TreeNode:
     """The root: an empty edge, never counted, locked or evicted."""
-    return TreeNode(None, b"", None, None, 0, [], 0, 0)
+    return TreeNode(None, b"", None, None, 0, [], np.zeros(0, dtype=np.uint64), 0, 0)
 
 
 def as_tokens(tokens: object) -> np.ndarray:
@@ -97,10 +102,10 @@ def as_tokens(tokens: object) -> np.ndarray:
     return np.fromiter(tokens, dtype=np.int64, count=len(tokens))  # type: ignore[arg-type]
 
 
-def common_prefix_tokens(a: bytes, b: bytes) -> int:
-    """How many leading int64 tokens two keys share."""
-    n = min(len(a), len(b)) // TOKEN_BYTES
-    x = np.frombuffer(a, dtype=np.int64, count=n)
-    y = np.frombuffer(b, dtype=np.int64, count=n)
+def common_prefix_tokens(key: bytes, query: bytes, offset: int) -> int:
+    """How many leading int64 tokens `key` shares with `query[offset:]` (offset in bytes)."""
+    n = min(len(key), len(query) - offset) // TOKEN_BYTES
+    x = np.frombuffer(key, dtype=np.int64, count=n)
+    y = np.frombuffer(query, dtype=np.int64, count=n, offset=offset)
     diff = np.flatnonzero(x != y)
     return int(diff[0]) if len(diff) else n
