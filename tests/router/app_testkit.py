@@ -235,6 +235,10 @@ class LiveServer:
         """Runs a coroutine on the server's loop (the loop that owns the router)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def call_soon(self, coro: Any) -> Any:
+        """Starts a coroutine on the server's loop; returns its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
