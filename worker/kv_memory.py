@@ -22,7 +22,7 @@ import torch
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
-from worker.request import Request
+from worker.request import Request, common_prefix_len
 from worker.sessions import ParkedSession, SessionTable
 
 
@@ -161,7 +161,7 @@ class KVMemory:
         most len(tokens) - 1); the orphaned session pages past that point are freed. When the
         shared part ends inside the tree prefix, the session is dropped and the radix match
         takes over."""
-        common = _common_prefix(parked.tokens, req.tokens[: len(req.tokens) - 1])
+        common = common_prefix_len(parked.tokens, req.tokens[: len(req.tokens) - 1])
         reuse = common // self.page_size * self.page_size
         if reuse < parked.prefix_len or (self.radix is None and reuse == 0):
             self.drop_session(parked)
@@ -251,11 +251,3 @@ class KVMemory:
             f"slot conservation: free {free} + tree {tree} + request tails {tails} + "
             f"sessions {owned} != {self.allocator.size}"
         )
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

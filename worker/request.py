@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from worker.protocol import GenerateRequest, SamplingParams
@@ -109,3 +110,12 @@ class Request:
         """Generated tokens not yet streamed (resumed tokens are never streamed again)."""
         start = self.num_input + self.num_resumed + self.num_streamed
         return self.tokens[start:]
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if len(diff) else n

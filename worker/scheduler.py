@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.kv_memory import KVMemory
-from worker.request import Request, Status
+from worker.request import Request, Status, common_prefix_len
 
 
 @dataclass
@@ -31,6 +31,7 @@ class SchedulerConfig:
     prefill_budget: int = 512  # tokens per step, decodes included (chunked prefill)
     aging_steps: int = 32  # a request waiting this many steps is admitted oldest-first
     order_limit: int = 256  # beyond this queue length, waiting order is plain arrival order
+    defer_shared: int = 32  # defer a request sharing this many uncached tokens with a prefill
 
 
 @dataclass
@@ -119,6 +120,8 @@ class Scheduler:
         for req in self._ordered_waiting():
             if budget <= 0 or len(self.running) >= self.config.max_running:
                 break
+            if self._shares_a_running_prefill(req):
+                continue
             if not self.memory.admit(req):
                 break
             n = min(req.remaining, budget)
@@ -132,6 +135,18 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new.append(n)
             budget -= n
+
+    def _shares_a_running_prefill(self, req: Request) -> bool:
+        """True when a request still prefilling (or admitted this step) computes a long prefix
+        of `req` that is not cached yet: `req` waits, then finds it in the cache instead of
+        computing it twice. Aged requests never wait for this."""
+        if self.memory.radix is None or req.waited_steps >= self.config.aging_steps:
+            return False
+        need = req.cached_hint + self.config.defer_shared
+        return any(
+            other.remaining > 1 and common_prefix_len(req.tokens, other.tokens) >= need
+            for other in self.running
+        )
 
     def _alloc_for_admission(self, req: Request, upto: int) -> bool:
         """A new request may evict cache leaves; it may drop parked sessions only when nothing

@@ -142,3 +142,14 @@ def test_many_requests_with_aborts_and_pressure_never_leak():
     assert {c.finish_reason for c in out.values()} <= {"length", "abort"}
     assert sum(c.finish_reason == "abort" for c in out.values()) >= 2
     assert_idle_clean(engine)
+
+
+def test_requests_sharing_an_uncached_prefix_compute_it_once():
+    engine = make(prefill_budget=512)
+    shared = prompt(100, 50)
+    reqs = [GenerateRequest(f"d{i}", shared + prompt(5, 60 + i), greedy(3)) for i in range(4)]
+    out = run_to_completion(engine, reqs, after_step=checked)
+    assert sorted(c.cached_tokens for c in out.values()) == [0, 100, 100, 100]
+    # one prefill of the shared part, the four tails, two decode steps each
+    assert engine.num_computed_tokens == 100 + 4 * 5 + 4 * 2
+    assert_idle_clean(engine)
