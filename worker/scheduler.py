@@ -9,7 +9,9 @@ requests join the running decode batch without waiting for it to finish.
 Waiting order is prefix-aware: requests with the longest cached prefix first (they cost the
 least and their prefix is hot now), except that a request waiting `aging_steps` steps or more
 goes first, oldest first, so nothing starves. With a long queue (over `order_limit`), plain
-arrival order is used to keep the per-step cost bounded.
+arrival order is used to keep the per-step cost bounded. A request that shares at least
+`defer_shared` not-yet-cached tokens with a request still prefilling waits for that prefill to
+land in the cache rather than computing the same prefix twice (aged requests never wait).
 
 Memory: a running request that cannot get its slots even after eviction makes the scheduler
 drop parked sessions, then retract the newest running request (its computed prefix goes to the
