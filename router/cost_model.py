@@ -11,12 +11,13 @@ both slowed by the decode work that rides along every chunk:
 
 `slot_wait_s` is the wait for a running slot once `max_running` requests run.
 
-The `cost` policy minimises `scores` = ttft + compute_weight x own prefill time (see there).
+The `cost` policy minimises `scores` = ttft + weight x own prefill time, the weight growing
+with the cluster's backlog (see there).
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
 once the worker has measured them; until then the priors below stand in (their step time grows
-with the running batch). `queue_s` is the larger of the router's booked queue (fresh, this
-router only) and the worker's reported waiting prefill (late, every router).
+with the running batch). `queue_s` is this router's booked queue (fresh) plus the reported
+waiting prefill of the requests it did not book (other routers').
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class CostConfig:
     host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     compute_weight: float = 0.5  # `scores`: seconds of score per second of prefill it adds
+    backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
+    decode_weight: float = 0.1  # `scores`: seconds of score per second of its own decode
 
 
 class Speeds(NamedTuple):
@@ -75,7 +78,7 @@ class CostModel:
 
     def estimate(self, request: RouteRequest, view: WorkerView) -> Estimate:
         """The request's predicted wait, own prefill and first step on the worker."""
-        return Estimate(*self._estimate(request, view))
+        return Estimate(*self._estimate(request, view)[:3])
 
     def cached_tokens(self, request: RouteRequest, view: WorkerView) -> tuple[int, int]:
         """(device hit, host hit) in tokens; at least one prompt token is always computed."""
@@ -85,22 +88,34 @@ class CostModel:
 
     def ttft_s(self, request: RouteRequest, view: WorkerView) -> float:
         """Predicted time to the request's first token on the worker."""
-        wait, prefill, step = self._estimate(request, view)
+        wait, prefill, step, _ = self._estimate(request, view)
         return wait + prefill + step
 
     def scores(self, request: RouteRequest, views: Sequence[WorkerView]) -> list[float]:
-        """What `cost` minimises, per view: TTFT plus `compute_weight` x the prefill it adds.
+        """What `cost` minimises, per view: TTFT plus a weight x the prefill work it adds.
 
-        TTFT alone is myopic: when two workers promise the same TTFT, recomputing a prefix
-        the other holds burns capacity that later requests wait for, and duplicates the prefix.
+        TTFT alone is myopic: recomputing a prefix another worker holds burns capacity that
+        later requests wait for. With an idle worker around that costs little (the weight is
+        `compute_weight`). Under backlog (even the least loaded worker has `rho` seconds of
+        wait) every second of added prefill delays the requests that queue before the backlog
+        clears, about rho / s of them for requests of prefill time s: the weight grows by that.
+
+        A small `decode_weight` x the request's decode time there (expected output x the step
+        time of the batch it joins) keeps an idle cluster from stacking every new conversation
+        on the worker that holds a shared system prompt: its batch, and every step, grows.
         """
+        estimates = [self._estimate(request, view) for view in views]
         weight = 1.0 + self.config.compute_weight
-        estimate = self._estimate
-        out = []
-        for view in views:
-            wait, prefill, step = estimate(request, view)
-            out.append(wait + weight * prefill + step)
-        return out
+        rho = min(e[0] for e in estimates)
+        if rho > 0:
+            full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
+            weight += self.config.backlog_weight * rho / full_s
+        decode = self.config.decode_weight * request.expected_output
+        growth = self.config.decode_step_per_request_s
+        return [
+            wait + weight * prefill + step + decode * (step + growth)
+            for wait, prefill, step, _ in estimates
+        ]
 
     # The two below run once per worker per request: plain tuples and no helper calls, for speed.
 
@@ -122,7 +137,9 @@ class CostModel:
         effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
         return load, speed, effective, step
 
-    def _estimate(self, request: RouteRequest, view: WorkerView) -> tuple[float, float, float]:
+    def _estimate(
+        self, request: RouteRequest, view: WorkerView
+    ) -> tuple[float, float, float, float]:
         cfg = self.config
         load, _, effective, step = self._speeds(view)
         limit = request.num_tokens - 1 if request.num_tokens > 0 else 0
@@ -133,28 +150,59 @@ class CostModel:
         prefill = (request.num_tokens - device - host) / effective
         if host:
             prefill += host / cfg.host_load_tokens_per_s
-        wait = view.queue_s
+        wait = self._queue_s(view, effective)
+        return wait + self._room_wait_s(request, view, load, step), prefill, step, effective
+
+    def _room_wait_s(
+        self, request: RouteRequest, view: WorkerView, load: int, step: float
+    ) -> float:
+        """Wait for a running slot (past `max_running`) or for KV room (past the worker's KV,
+        its running requests holding their whole context, cached prefix included)."""
+        requests = view.requests
+        if not requests:
+            return 0.0
+        # a model drain: requests leave after decoding their output (residence), so a slot
+        # frees every residence / max_running seconds and booked KV drains at kv / residence
+        residence = view.decode_tokens / requests * step
+        wait = 0.0
+        over = load + 1 - self.config.max_running
+        if over > 0:
+            wait = residence * over / self.config.max_running
         stats = view.stats
-        if stats is not None and stats.waiting_prefill_tokens > wait * effective:
-            wait = stats.waiting_prefill_tokens / effective
-        over = load + 1 - cfg.max_running
-        if over > 0:  # a slot frees every (mean output x step) / max_running seconds
-            requests = view.requests
-            mean_output = view.decode_tokens / requests if requests else request.expected_output
-            wait += over * mean_output * step / cfg.max_running
-        return wait, prefill, step
+        if stats is None or stats.kv_total <= 0:
+            return wait
+        overflow = view.active_tokens + request.num_tokens + request.expected_output
+        overflow -= stats.kv_total - stats.kv_session
+        if overflow <= 0:
+            return wait
+        drain = view.drain_tokens_per_s  # measured: holds however busy the steps are
+        if drain <= 0:
+            drain = view.active_tokens / residence if residence > 0 else 0.0
+        return max(wait, overflow / drain) if drain > 0 else wait
 
     def prefill_s(self, request: RouteRequest, view: WorkerView) -> float:
         """Time of the request's own prefill on the worker, its cached prefix skipped."""
         return self._estimate(request, view)[1]
 
     def queue_s(self, view: WorkerView) -> float:
-        """Time until the prefill queued ahead of a new request (booked or reported) is done."""
+        """Time until the prefill queued ahead of a new request is done (see `_queue_s`)."""
+        return self._queue_s(view, self._speeds(view)[2])
+
+    def _queue_s(self, view: WorkerView, effective: float) -> float:
+        """This router's booked queue, plus the reported waiting prefill of requests it did
+        not book (other routers'): the share of the worker's requests beyond its bookings.
+
+        The reported figure alone would mislead: it is late, and it may count prompt tokens
+        that the cache will serve (the worker matches a request only when it admits it).
+        """
         stats = view.stats
         if stats is None or stats.waiting_prefill_tokens <= 0:
             return view.queue_s
-        reported = stats.waiting_prefill_tokens / self._speeds(view)[2]
-        return max(view.queue_s, reported)
+        reported = stats.running + stats.waiting
+        foreign = (reported - view.requests) / reported
+        if foreign <= 0:
+            return view.queue_s
+        return view.queue_s + foreign * stats.waiting_prefill_tokens / effective
 
     def eviction_s(self, request: RouteRequest, view: WorkerView) -> float:
         """Recompute time of cached tokens the worker must evict to fit the request (0 when

@@ -11,6 +11,7 @@ request ends. `busy_until` is the worker's predicted prefill-queue drain time (F
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ class Booking:
     prefill_tokens: int  # uncached prompt tokens the worker must compute
     decode_tokens: int  # expected output tokens
     active_tokens: int  # KV footprint: prompt + expected output
+    kv_tokens: int  # KV it adds to the worker: uncached prompt + expected output
     prefill_s: float  # predicted time of its own prefill
     prefill_done_at: float  # predicted time its first token is out
     hashes: Sequence[int] = ()  # its block hashes (index bookkeeping)
@@ -39,16 +41,43 @@ class WorkerLoad:
     prefill_tokens: int = 0  # of bookings whose predicted prefill is still ahead
     decode_tokens: int = 0
     active_tokens: int = 0
+    kv_tokens: int = 0
     busy_until: float = 0.0
     prefill_ahead: list[tuple[float, int, Booking]] = field(default_factory=list)  # heap
+
+
+class DrainRate:
+    """KV tokens per second that a worker's ending requests released, over a sliding window:
+    how fast room frees up on a full worker (measured, so it holds whatever the worker's
+    mix of prefill and decode)."""
+
+    def __init__(self, since: float, window_s: float) -> None:
+        self.since = since  # first booking: the window never reaches before it
+        self.window_s = window_s
+        self._released: deque[tuple[float, int]] = deque()
+        self._total = 0
+
+    def add(self, now: float, tokens: int) -> None:
+        self._released.append((now, tokens))
+        self._total += tokens
+
+    def rate(self, now: float) -> float:
+        """Tokens per second; 0 until some request has ended."""
+        start = now - self.window_s
+        while self._released and self._released[0][0] < start:
+            self._total -= self._released.popleft()[1]
+        span = min(self.window_s, now - self.since)
+        return self._total / span if span > 0 else 0.0
 
 
 class LoadLedger:
     """request id -> Booking, and per-worker sums. Not thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, drain_window_s: float = 60.0) -> None:
         self._bookings: dict[str, Booking] = {}
         self._loads: dict[str, WorkerLoad] = {}
+        self._drains: dict[str, DrainRate] = {}
+        self._drain_window_s = drain_window_s
         self._pushed = 0  # heap tie-breaker
 
     def __len__(self) -> int:
@@ -72,6 +101,11 @@ class LoadLedger:
                 load.prefill_tokens -= booking.prefill_tokens
         return load
 
+    def drain_rate(self, worker_id: str, now: float) -> float:
+        """KV tokens per second the worker's ending requests released lately (0: none yet)."""
+        drain = self._drains.get(worker_id)
+        return 0.0 if drain is None else drain.rate(now)
+
     def queue_s(self, worker_id: str, now: float) -> float:
         """Predicted seconds until the worker's booked prefill queue drains."""
         load = self._loads.get(worker_id)
@@ -82,11 +116,14 @@ class LoadLedger:
         if booking.request_id in self._bookings:
             raise ValueError(f"request {booking.request_id!r} is already booked")
         load = self.load(booking.worker_id, now)
+        if booking.worker_id not in self._drains:
+            self._drains[booking.worker_id] = DrainRate(now, self._drain_window_s)
         load.busy_until = max(load.busy_until, now) + booking.prefill_s
         booking.prefill_done_at = load.busy_until
         load.requests += 1
         load.decode_tokens += booking.decode_tokens
         load.active_tokens += booking.active_tokens
+        load.kv_tokens += booking.kv_tokens
         if booking.prefill_done_at > now:
             load.prefill_tokens += booking.prefill_tokens
             self._pushed += 1
@@ -104,9 +141,11 @@ class LoadLedger:
             return None
         load = self.load(booking.worker_id, now)  # age out first: the sums must match the heap
         del self._bookings[request_id]
+        self._drains[booking.worker_id].add(now, booking.active_tokens)
         load.requests -= 1
         load.decode_tokens -= booking.decode_tokens
         load.active_tokens -= booking.active_tokens
+        load.kv_tokens -= booking.kv_tokens
         if booking.prefill_done_at > now:
             load.prefill_tokens -= booking.prefill_tokens
             load.busy_until -= min(booking.prefill_s, booking.prefill_done_at - now)
@@ -120,4 +159,5 @@ class LoadLedger:
         for booking in gone:
             del self._bookings[booking.request_id]
         self._loads.pop(worker_id, None)
+        self._drains.pop(worker_id, None)
         return gone
