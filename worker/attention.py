@@ -99,11 +99,12 @@ class TorchAttention(AttentionBackend):
             out[plan.decode_rows] = _decode(q[plan.decode_rows], layer, kv_pool, plan)
         for start, q_len, slots, mask in plan.prefills:
             q_seq = q[start : start + q_len].transpose(0, 1)  # [H, q_len, D]
-            k_seq, v_seq = (t.transpose(0, 1) for t in kv_pool.get_kv(layer, slots))
+            k_seq = _gather(kv_pool.k_buffer[layer], slots, q.dtype).transpose(0, 1)
+            v_seq = _gather(kv_pool.v_buffer[layer], slots, q.dtype).transpose(0, 1)
             o = F.scaled_dot_product_attention(
                 q_seq,
-                k_seq.to(q.dtype),
-                v_seq.to(q.dtype),
+                k_seq,
+                v_seq,
                 attn_mask=mask,
                 is_causal=mask is None,
                 enable_gqa=True,
@@ -154,10 +155,19 @@ def _end_aligned_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Te
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
 
 
+def _gather(buffer: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """buffer[slots] as `dtype`, shaped slots.shape + buffer.shape[1:].
+
+    index_select on the flattened slots: several times faster on CPU than advanced indexing.
+    """
+    rows = buffer.index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *buffer.shape[1:]).to(dtype)
+
+
 def _decode(q: torch.Tensor, layer: int, kv_pool: KVPool, plan: _TorchPlan) -> torch.Tensor:
     """One query per sequence over its padded KV: q [B, H, D] -> [B, H, D]."""
-    k = kv_pool.k_buffer[layer][plan.decode_slots].to(q.dtype)  # [B, Kmax, KVH, D]
-    v = kv_pool.v_buffer[layer][plan.decode_slots].to(q.dtype)
+    k = _gather(kv_pool.k_buffer[layer], plan.decode_slots, q.dtype)  # [B, Kmax, KVH, D]
+    v = _gather(kv_pool.v_buffer[layer], plan.decode_slots, q.dtype)
     o = F.scaled_dot_product_attention(
         q[:, :, None, :],
         k.transpose(1, 2),
