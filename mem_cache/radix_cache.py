@@ -37,11 +37,14 @@ from mem_cache.allocator import (
 from mem_cache.block_ledger import BlockLedger, snapshot_stored
 from mem_cache.events import (
     DEVICE,
+    HOST,
     AllCleared,
     KVEvent,
     extend_block_states,
     hash_block_states,
 )
+from mem_cache.host_cache import KVCopier
+from mem_cache.radix_host import HostTier
 from mem_cache.radix_integrity import check_tree
 from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, common_prefix_tokens, make_root
 
@@ -57,9 +60,10 @@ class MatchResult(NamedTuple):
     node: TreeNode
     length: int
     host_length: int = 0
+    host_node: TreeNode | None = None  # where the host-only part ends (for load_back)
 
 
-class RadixCache:
+class RadixCache(HostTier):
     """Radix tree from token sequences to slot ids; see the module docstring and DESIGN.md.
 
     With `allocator=None` it is a pure index: nothing is freed, `indices` may be omitted on
@@ -67,7 +71,14 @@ class RadixCache:
     """
 
     def __init__(
-        self, allocator: KVAllocator | None, page_size: int = 1, block_size: int = 16
+        self,
+        allocator: KVAllocator | None,
+        page_size: int = 1,
+        block_size: int = 16,
+        host_allocator: KVAllocator | None = None,
+        write_policy: str = "write_through",
+        copier: KVCopier | None = None,
+        load_back_min: int = 0,
     ) -> None:
         if page_size <= 0 or block_size <= 0:
             raise ValueError("page_size and block_size must be positive")
@@ -83,6 +94,7 @@ class RadixCache:
         self._device_blocks = BlockLedger(self._events, DEVICE, block_size % page_size != 0)
         self._tick = 0
         self._seq = 0
+        self._init_host(host_allocator, write_policy, copier, load_back_min)
         self._new_tree()
 
     def _new_tree(self) -> None:
@@ -92,6 +104,7 @@ class RadixCache:
         self._num_nodes = 0
         self._heap: list[tuple[int, int, TreeNode]] = []
         self._device_blocks.clear()
+        self._reset_host()
 
     # --- sizes ------------------------------------------------------------------------------
 
@@ -121,7 +134,9 @@ class RadixCache:
         n = len(arr) // self.page_size * self.page_size
         node, pos, path = self._walk(arr[:n].tobytes(), namespace)
         self._touch(path)
-        return MatchResult(self._gather(path), node, pos)
+        if self.host_allocator is None:
+            return MatchResult(self._gather(path), node, pos)
+        return self._match_with_host(path, node, pos)
 
     def insert(
         self, tokens: object, indices: SlotIds | None = None, namespace: str | None = None
@@ -142,9 +157,12 @@ class RadixCache:
         query = arr[:n].tobytes()
         node, pos, path = self._walk(query, namespace)
         self._touch(path)
+        cached = pos if self.host_allocator is None else self._promote(path, values)
         if pos < n:
-            self._add_leaf(node, query, arr, pos, n, values, namespace)
-        return pos
+            path.append(self._add_leaf(node, query, arr, pos, n, values, namespace))
+        if self.host_allocator is not None:
+            self._backup_after_use(path, inserted=True)
+        return cached
 
     def _walk(self, query: bytes, namespace: str | None) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follow `query` (int64 bytes, page-aligned) down the tree, splitting a partly matched
@@ -192,6 +210,8 @@ class RadixCache:
             child.last_access,
         )
         upper.lock_ref = child.lock_ref
+        if self.host_allocator is not None:
+            self._split_host(child, upper, length)
         parent.children[self._child_key(child)] = upper
         child.key = child.key[cut:]
         if child.value is not None:
@@ -227,11 +247,11 @@ class RadixCache:
         n: int,
         values: np.ndarray | None,
         namespace: str | None,
-    ) -> None:
+    ) -> TreeNode:
         """Hang tokens `pos..n` under `parent` (which ends at `pos`); the tree takes their slots."""
         states, state = extend_block_states(arr[pos:n], pos, parent.hash_state, self.block_size)
         hashes = hash_block_states(states, namespace)
-        value = None if values is None else slots_to_pages(values[pos:n], self.page_size).copy()
+        value = None if values is None else self._pages_of(values, pos, n)
         leaf = TreeNode(
             parent,
             query[pos * TOKEN_BYTES :],
@@ -249,6 +269,11 @@ class RadixCache:
         self._push(leaf)
         if hashes:
             self._device_blocks.stored(hashes, self._last_hash(parent))
+        return leaf
+
+    def _pages_of(self, values: np.ndarray, start: int, end: int) -> np.ndarray:
+        """The pages of the caller's slots `values[start:end]` (whole pages), as a copy."""
+        return slots_to_pages(values[start:end], self.page_size).copy()
 
     def _child_key(self, node: TreeNode) -> object:
         first = node.key[: self._page_bytes]
@@ -264,8 +289,19 @@ class RadixCache:
         self._tick += 1
         for node in path:
             node.last_access = self._tick
-        if path and not path[-1].children and path[-1].lock_ref == 0:
-            self._push(path[-1])  # its heap position must follow its new last use
+        if not path:
+            return
+        last = path[-1]  # its heap position must follow its new last use
+        if self.host_allocator is None:
+            if not last.children and last.lock_ref == 0:
+                self._push(last)
+            return
+        for node in path:
+            node.hits += 1
+        if last.evicted:
+            self._maybe_host_candidate(last)
+        elif self._is_device_leaf(last):
+            self._push(last)
 
     def _gather(self, path: list[TreeNode]) -> torch.Tensor:
         values = [node.value for node in path]
@@ -280,8 +316,8 @@ class RadixCache:
         """Protect the path root..node from eviction (counted; the root is a no-op)."""
         if node is self.root:
             return
-        if node.parent is None:
-            raise ValueError("lock(): the node was evicted")
+        if node.parent is None or node.evicted:
+            raise ValueError("lock(): the node is not on device")
         node.locks_here += 1
         while node is not self.root:
             if node.lock_ref == 0:
@@ -305,31 +341,43 @@ class RadixCache:
                 self._protected -= len(node)
                 self._evictable += len(node)
             node = node.parent  # type: ignore[assignment]
-        if leaf.lock_ref == 0 and not leaf.children:
+        if leaf.lock_ref == 0 and (not leaf.children or self._is_device_leaf(leaf)):
             self._push(leaf)
 
     # --- eviction ---------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        """Remove unlocked leaves, least recently used first, until `num_tokens` are freed or
-        nothing is evictable; a parent left an unlocked leaf becomes a candidate with its own
-        last use. Returns the tokens freed."""
+        """Take unlocked leaves off the device, least recently used first, until `num_tokens`
+        are freed or nothing is evictable; a parent left an unlocked leaf becomes a candidate
+        with its own last use. With a host tier a backed-up node is demoted to host (it stays
+        matchable there) instead of removed. Returns the device tokens freed."""
+        host = self.host_allocator is not None
+        if host:
+            self._collect_writes()
         freed, pages = 0, []
         while freed < num_tokens and self._heap:
             _, seq, node = heapq.heappop(self._heap)
             if node.heap_seq != seq:
                 continue
             node.heap_seq = -1
-            if node.parent is None or node.children or node.lock_ref:
+            if not self._evictable_leaf(node):
                 continue
             freed += len(node)
             parent = node.parent
-            self._remove_leaf(node, pages)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if host:
+                self._evict_device_node(node, pages)
+            else:
+                self._remove_leaf(node, pages)
+            if parent is not self.root and self._evictable_leaf(parent):
                 self._push(parent)
         if pages and self.allocator is not None:
             self.allocator.free_pages(np.concatenate(pages))
         return freed
+
+    def _evictable_leaf(self, node: TreeNode) -> bool:
+        if self.host_allocator is not None:
+            return self._is_device_leaf(node)
+        return node.parent is not None and not node.children and not node.lock_ref
 
     def _remove_leaf(self, node: TreeNode, pages: list[np.ndarray]) -> None:
         """Detach an unlocked leaf; its pages go to `pages` for the caller to free."""
@@ -365,24 +413,36 @@ class RadixCache:
         return events
 
     def snapshot_events(self) -> list[KVEvent]:
-        """`AllCleared` then `BlockStored` for every fully cached block, parents first."""
-        return [AllCleared(), *snapshot_stored(self.root, DEVICE, lambda node: True)]
+        """`AllCleared` then `BlockStored` for every fully cached block, parents first (device
+        blocks, then host copies with `medium="host"`)."""
+        self._collect_writes()
+        events: list[KVEvent] = [AllCleared()]
+        events += snapshot_stored(self.root, DEVICE, lambda node: not node.evicted)
+        if self.host_allocator is not None:
+            events += snapshot_stored(self.root, HOST, lambda node: node.host_ready)
+        return events
 
     def reset(self) -> None:
-        """Free every slot of the tree and report one `AllCleared`. Refused while locked."""
-        if self._protected:
-            raise ValueError("reset(): some path is locked")
-        pages = []
+        """Free every slot of the tree (both tiers) and report one `AllCleared`. Waits for
+        copies in flight; refused while a path is locked or host-protected."""
+        self.flush()
+        if self._protected or any(n.host_ref for n in self.root.children.values()):
+            raise ValueError("reset(): some path is locked or host-protected")
+        pages, host_pages = [], []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             if node.value is not None:
                 pages.append(node.value)
+            if node.host_value is not None:
+                host_pages.append(node.host_value)
             node.parent = None
             node.value = None
         if pages and self.allocator is not None:
             self.allocator.free_pages(np.concatenate(pages))
+        if host_pages and self.host_allocator is not None:
+            self.host_allocator.free_pages(np.concatenate(host_pages))
         self._new_tree()
         self._events.append(AllCleared())
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from mem_cache.allocator import pages_to_slots
 from mem_cache.events import extend_block_states, hash_block_states
+from mem_cache.radix_host_integrity import check_host_tier
 from mem_cache.radix_node import TreeNode
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ def check_tree(cache: RadixCache) -> None:
     _check_block_refs(cache, nodes)
     if cache.allocator is not None:
         _check_slots(cache, nodes)
+    if cache.host_allocator is not None:
+        check_host_tier(cache, nodes)
 
 
 def _walk_nodes(cache: RadixCache) -> list[TreeNode]:
@@ -63,7 +66,9 @@ def _check_node(cache: RadixCache, parent: TreeNode, key: object, node: TreeNode
     assert node.lock_ref == node.locks_here + below, (
         "locks: count != locks ending here + children's counts"
     )
-    if node.value is not None:
+    if node.evicted:
+        assert node.value is None, "tiers: a node off the device still holds device pages"
+    elif node.value is not None:
         assert len(node.value) * page == length, "values: page count != token count / page"
         assert node.value.dtype == np.int64, "values: page ids must be int64"
         assert node.value.flags.owndata, "values: a node's pages must be a copy, never a view"
@@ -86,8 +91,8 @@ def _check_hashes(cache: RadixCache, parent: TreeNode, node: TreeNode) -> None:
 
 
 def _check_sizes(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    evictable = sum(len(n) for n in nodes if n.lock_ref == 0)
-    protected = sum(len(n) for n in nodes if n.lock_ref > 0)
+    evictable = sum(len(n) for n in nodes if n.lock_ref == 0 and not n.evicted)
+    protected = sum(len(n) for n in nodes if n.lock_ref > 0 and not n.evicted)
     ev, pr = cache.evictable_size(), cache.protected_size()
     assert ev >= 0 and pr >= 0, "sizes: negative evictable or protected size"
     assert ev == evictable, f"sizes: evictable_size {ev} != {evictable} in unlocked nodes"
@@ -101,7 +106,7 @@ def _check_eviction_heap(cache: RadixCache, nodes: list[TreeNode]) -> None:
         "eviction: the root is a candidate"
     )
     for node in nodes:
-        if node.children or node.lock_ref:
+        if node.evicted or node.lock_ref or any(not c.evicted for c in node.children.values()):
             continue
         entry = live.get(node.heap_seq)
         assert entry is not None and entry[1] is node, (
@@ -111,19 +116,24 @@ def _check_eviction_heap(cache: RadixCache, nodes: list[TreeNode]) -> None:
 
 
 def _check_block_refs(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    if cache._device_blocks.refs is None:
-        return
-    counts: dict[int, int] = {}
-    for node in nodes:
-        for h in node.hashes:
-            counts[h] = counts.get(h, 0) + 1
-    assert counts == cache._device_blocks.refs, "events: block holder counts do not match the tree"
+    ledgers = [(cache._device_blocks.refs, lambda n: not n.evicted)]
+    if cache.host_allocator is not None:
+        ledgers.append((cache._host_blocks.refs, lambda n: n.host_ready))
+    for refs, holds in ledgers:
+        if refs is None:
+            continue
+        counts: dict[int, int] = {}
+        for node in nodes:
+            if holds(node):
+                for h in node.hashes:
+                    counts[h] = counts.get(h, 0) + 1
+        assert counts == refs, "events: block holder counts do not match the tree"
 
 
 def _check_slots(cache: RadixCache, nodes: list[TreeNode]) -> None:
     allocator = cache.allocator
     assert allocator is not None
-    values = [n.value for n in nodes if n.value is not None]
+    values = [n.value for n in nodes if n.value is not None and not n.evicted]
     pages = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
     tree = pages_to_slots(pages, cache.page_size)
     assert len(tree) == cache.total_size(), "slots: tree slot count != total_size"

@@ -37,8 +37,12 @@ class TreeNode:
         "locks_here",
         "last_access",
         "heap_seq",
+        "evicted",
         "host_value",
+        "host_ready",
         "host_ref",
+        "host_here",
+        "host_heap_seq",
         "hits",
     )
 
@@ -67,8 +71,16 @@ class TreeNode:
         self.locks_here = 0  # of which end at this node (only these may be unlocked here)
         self.last_access = last_access
         self.heap_seq = -1  # sequence number of this node's live eviction-heap entry, -1 if none
-        self.host_value: np.ndarray | None = None  # slot ids in the host tier (issue 8)
-        self.host_ref = 0  # in-flight host copies that pin this node
+        # The host tier (see radix_host.py): a node is on device unless `evicted`, backed up on
+        # host when `host_value` (host page ids) is set, and that copy is complete once
+        # `host_ready`. `host_ref` counts host protections on paths through the node (in-flight
+        # copies, protect_host), `host_here` those that end at it.
+        self.evicted = False
+        self.host_value: np.ndarray | None = None
+        self.host_ready = False
+        self.host_ref = 0
+        self.host_here = 0
+        self.host_heap_seq = -1
         self.hits = 0  # uses, for the write-through-selective policy
 
     def __len__(self) -> int:
