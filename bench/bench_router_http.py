@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -164,7 +165,7 @@ async def one(session: Any, url: str, stream: bool) -> float:
 async def open_loop(url: str, stream: bool, rate: float, duration: float) -> dict:
     import aiohttp
 
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=512)  # beyond this, requests queue in the client
     async with aiohttp.ClientSession(connector=conn) as session:
         for _ in range(50):  # warm up connections and code paths
             await one(session, url, stream)
@@ -180,9 +181,11 @@ async def open_loop(url: str, stream: bool, rate: float, duration: float) -> dic
         results = await asyncio.gather(*tasks, return_exceptions=True)
         elapsed = loop.time() - t0
     lat = sorted(r for r in results if isinstance(r, float))
+    errors = sorted({type(r).__name__ for r in results if isinstance(r, BaseException)})
     return {
         "sent": n,
         "ok": len(lat),
+        "errors": errors,
         "rate": len(lat) / elapsed,
         **{f"p{q}": _pct(lat, q) * 1000 for q in (50, 90, 99)},
     }
@@ -210,6 +213,13 @@ def _pct(values: list[float], q: int) -> float:
     if not values:
         return float("nan")
     return values[min(len(values) - 1, int(len(values) * q / 100))]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc): the router's own cost per request,
+    which other load on a shared machine inflates far less than wall-clock latency."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_up(url: str) -> None:
@@ -252,7 +262,10 @@ def main() -> None:
             for stream in (False, True):
                 router = urls["router_stream" if stream else "router_nonstream"]
                 base = asyncio.run(open_loop(urls["null"], stream, args.rate, args.duration))
+                pid = procs[2 if stream else 1].pid
+                cpu0 = cpu_seconds(pid)
                 via = asyncio.run(open_loop(router, stream, args.rate, args.duration))
+                cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(via["ok"] + 50, 1)
                 tput = asyncio.run(closed_loop(router, stream, args.concurrency, args.duration))
                 row = {
                     "run": run,
@@ -261,6 +274,7 @@ def main() -> None:
                     "router": via,
                     "added_ms": {q: via[q] - base[q] for q in ("p50", "p90", "p99")},
                     "max_rps": tput,
+                    "router_cpu_ms_per_request": cpu_ms,
                 }
                 rows.append(row)
                 if not args.json:
@@ -274,10 +288,12 @@ def main() -> None:
         for stream in (False, True):
             added = [r["added_ms"]["p50"] for r in rows if r["stream"] == stream]
             tput = [r["max_rps"] for r in rows if r["stream"] == stream]
+            cpu = [r["router_cpu_ms_per_request"] for r in rows if r["stream"] == stream]
             print(
                 f"{'stream' if stream else 'plain '}: added p50 median "
                 f"{statistics.median(added):.2f} ms over {len(added)} runs; closed-loop "
-                f"throughput median {statistics.median(tput):.0f} req/s"
+                f"throughput median {statistics.median(tput):.0f} req/s; router CPU median "
+                f"{statistics.median(cpu):.2f} ms/req"
             )
 
 

@@ -157,7 +157,6 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
 
 
 def _add_openai_routes(app: FastAPI, router: Router) -> None:
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         await router.start()
         body = await _parse(request, CompletionRequest, router)
@@ -167,7 +166,6 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
             router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
         )
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         await router.start()
         body = await _parse(request, ChatRequest, router)
@@ -177,6 +175,10 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
         return await _serve(
             router, job, renderer, body.stream, body.include_usage(), "/v1/chat/completions"
         )
+
+    # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -137,6 +137,8 @@ async def open_choices(
     """Starts every choice; on any failure closes the ones started and re-raises."""
     requests = job.generate_requests()
     expected = job.sampling.max_tokens
+    if len(requests) == 1:  # the common case, without a task per choice
+        return [ChoiceRun(0, await dispatcher.open(requests[0], expected), job, tokenizer, metrics)]
     results = await asyncio.gather(
         *(dispatcher.open(r, expected) for r in requests), return_exceptions=True
     )

@@ -142,7 +142,7 @@ class Router:
         if not prompts or any(not p for p in prompts):
             raise bad_request("prompt must not be empty", param="prompt")
         vocab = self.tokenizer.vocab_size
-        if any(t < 0 or t >= vocab for p in prompts for t in p):
+        if min(min(p) for p in prompts) < 0 or max(max(p) for p in prompts) >= vocab:
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
         return prompts
 
