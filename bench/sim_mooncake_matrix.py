@@ -31,8 +31,9 @@ def speed_for(path: str, workers: int, load: float) -> float:
     return speed_for_load(trace_workload(path), workers, h100_llama3_8b(), load)
 
 
-def run_setting(path: str, workers: int, kv_tokens: int, load: float, policies: list[str],
-                seed: int) -> dict:
+def run_setting(
+    path: str, workers: int, kv_tokens: int, load: float, policies: list[str], seed: int
+) -> dict:
     profile = h100_llama3_8b()
     speed = speed_for(path, workers, load)
     workload: Workload = trace_workload(path, speed, seed)
@@ -42,13 +43,38 @@ def run_setting(path: str, workers: int, kv_tokens: int, load: float, policies: 
         results.append(simulate(workload, SimConfig(workers, kv_tokens, name, seed=seed), profile))
         print(f"  {name}: {time.perf_counter() - started:.1f} s", flush=True)
     report = build_report(results, pooled_hit_rate(workload, kv_tokens * workers))
-    return {"workers": workers, "kv_tokens": kv_tokens, "load": load, "speed": speed,
-            "report": report}
+    return {
+        "workers": workers,
+        "kv_tokens": kv_tokens,
+        "load": load,
+        "speed": speed,
+        "report": report,
+    }
+
+
+def render(settings: list[dict]) -> str:
+    """Markdown: one table per setting, policies by mean TTFT, hit rate as a share of pooled."""
+    out = []
+    for s in settings:
+        report = s["report"]
+        pooled = report["pooled_hit_rate"]
+        out.append(f"**{s['workers']} workers, {s['kv_tokens']:,} KV tokens per worker, load "
+                   f"{s['load']}** (speed {s['speed']:.2f}; pooled hit rate {pooled:.1%})\n")
+        out.append("| policy | hit rate | / pooled | TTFT mean | TTFT p99 | load max/mean |")
+        out.append("|---|---|---|---|---|---|")
+        rows = [(k, v) for k, v in report.items() if k != "pooled_hit_rate"]
+        for name, r in sorted(rows, key=lambda kv: kv[1]["ttft_mean"]):
+            out.append(f"| {name} | {r['hit_rate']:.1%} | {r['hit_rate'] / pooled:.2f} | "
+                       f"{r['ttft_mean']:.2f} s | {r['ttft_p99']:.2f} s | "
+                       f"{r['load_max_over_mean']:.2f} |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trace", required=True)
+    parser.add_argument("--render", metavar="JSON", help="only print a saved run as markdown")
+    parser.add_argument("--trace")
     parser.add_argument("--out", default="sim_matrix.json")
     parser.add_argument("--workers", default="8,16")
     parser.add_argument("--fractions", default="0.01,0.05")
@@ -56,6 +82,12 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)))
+        return
+    if not args.trace:
+        parser.error("--trace is required")
     blocks = distinct_blocks(args.trace)
     policies = args.policies.split(",")
     settings = []
@@ -63,11 +95,15 @@ def main() -> None:
         for fraction in map(float, args.fractions.split(",")):
             kv_tokens = round(blocks * fraction) * TRACE_BLOCK_TOKENS
             for load in map(float, args.loads.split(",")):
-                print(f"## {workers} workers, {kv_tokens} KV tokens ({fraction:.0%} of {blocks}"
-                      f" blocks), load {load}", flush=True)
+                print(
+                    f"## {workers} workers, {kv_tokens} KV tokens ({fraction:.0%} of {blocks}"
+                    f" blocks), load {load}",
+                    flush=True,
+                )
                 setting = run_setting(args.trace, workers, kv_tokens, load, policies, args.seed)
-                print(f"speed {setting['speed']:.3f}\n{format_table(setting['report'])}\n",
-                      flush=True)
+                print(
+                    f"speed {setting['speed']:.3f}\n{format_table(setting['report'])}\n", flush=True
+                )
                 settings.append(setting)
                 with open(args.out, "w") as f:
                     json.dump(settings, f, indent=1)
