@@ -23,6 +23,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -162,10 +163,12 @@ async def one(session: Any, url: str, stream: bool) -> float:
     return time.perf_counter() - t0
 
 
-async def open_loop(url: str, stream: bool, rate: float, duration: float) -> dict:
+async def open_loop(
+    url: str, stream: bool, rate: float, duration: float, connections: int = 64
+) -> dict:
     import aiohttp
 
-    conn = aiohttp.TCPConnector(limit=512)  # beyond this, requests queue in the client
+    conn = aiohttp.TCPConnector(limit=connections)  # keep-alive pool; more requests queue
     async with aiohttp.ClientSession(connector=conn) as session:
         for _ in range(50):  # warm up connections and code paths
             await one(session, url, stream)
@@ -240,8 +243,12 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--connections", type=int, default=64, help="open-loop client's keep-alive pool"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the servers are stopped too
     ctx = mp.get_context("spawn")
     ports = {"null": free_port()}
     ports["router_nonstream"] = free_port()
@@ -261,10 +268,14 @@ def main() -> None:
         for run in range(args.runs):
             for stream in (False, True):
                 router = urls["router_stream" if stream else "router_nonstream"]
-                base = asyncio.run(open_loop(urls["null"], stream, args.rate, args.duration))
+                base = asyncio.run(
+                    open_loop(urls["null"], stream, args.rate, args.duration, args.connections)
+                )
                 pid = procs[2 if stream else 1].pid
                 cpu0 = cpu_seconds(pid)
-                via = asyncio.run(open_loop(router, stream, args.rate, args.duration))
+                via = asyncio.run(
+                    open_loop(router, stream, args.rate, args.duration, args.connections)
+                )
                 cpu_ms = (cpu_seconds(pid) - cpu0) * 1000 / max(via["ok"] + 50, 1)
                 tput = asyncio.run(closed_loop(router, stream, args.concurrency, args.duration))
                 row = {

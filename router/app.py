@@ -45,6 +45,19 @@ from router.tokenizer import Tokenizer
 WORKER_HEADER = "X-Radixray-Worker"
 
 
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/workers", "/health"}
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded set of metric labels, whatever paths clients send."""
+    if path in _ENDPOINTS:
+        return path
+    for prefix in ("/v1/sessions", "/v1/admin", "/v1/workers"):
+        if path.startswith(prefix + "/"):
+            return prefix + "/*"
+    return "other"
+
+
 def _json(obj: Any, status: int = 200, worker: str = "none") -> Response:
     return Response(
         json.dumps(obj, separators=(",", ":")),
@@ -75,7 +88,9 @@ class _Guard:
             return await self.app(scope, receive, send)
         failure = self._check(scope)
         if failure is not None:
-            self.router.metrics.requests.labels(scope["path"][:64], str(failure.status)).inc()
+            self.router.metrics.requests.labels(
+                endpoint_label(scope["path"]), str(failure.status)
+            ).inc()
             return await _error(failure)(scope, receive, send)
 
         async def send_with_header(message: dict) -> None:
@@ -144,7 +159,7 @@ def create_app(
 def _add_handlers(app: FastAPI, router: Router) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
-        router.metrics.requests.labels(request.url.path[:64], str(exc.status)).inc()
+        router.metrics.requests.labels(endpoint_label(request.url.path), str(exc.status)).inc()
         return _error(exc)
 
     @app.exception_handler(StarletteHTTPException)

@@ -88,15 +88,21 @@ class RayBackend(Backend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         import ray.exceptions as rex
 
+        stream = None
+        finished = False
         try:
             stream = self.handle.generate.options(num_returns="streaming").remote(request)
             async for ref in stream:
                 for chunk in _chunks(await ref):
+                    finished = chunk.finish_reason is not None
                     yield chunk
         except rex.RayTaskError as exc:
             raise _task_error(exc) from exc
         except rex.RayError as exc:
             raise BackendDead(f"{self.worker_id}: {exc}") from exc
+        finally:
+            if stream is not None and not finished:
+                _cancel(stream)  # the worker aborts a request whose generator is cancelled
 
     async def abort(self, request_id: str) -> None:
         try:
@@ -112,6 +118,15 @@ class RayBackend(Backend):
 
     async def close_session(self, session_id: str) -> bool:
         return bool(await self._call(self.handle.close_session, session_id))
+
+
+def _cancel(stream: Any) -> None:
+    import ray
+
+    try:
+        ray.cancel(stream)
+    except Exception:  # noqa: BLE001 - already finished or the worker is gone: nothing to stop
+        pass
 
 
 def _task_error(exc: Exception) -> Exception:

@@ -94,11 +94,11 @@ class Dispatch:
         except (LookupError, ValueError, RuntimeError) as exc:
             raise no_workers() from exc
         backend = self.d.workers.backends.get(decision.worker_id)
-        self._routed = True
         if backend is None:  # the core knew a worker the registry just dropped
-            self._release()
+            self.d.core.finish(self.request.request_id, None)
             self.failed.add(decision.worker_id)
             raise BackendDead(decision.worker_id)
+        self._routed = True
         self.worker_id = decision.worker_id
         self.predicted_tokens = int(getattr(decision, "cached_tokens", 0) or 0)
         self.d.metrics.routed.labels(decision.worker_id, decision.reason).inc()
@@ -131,6 +131,7 @@ class Dispatch:
         if wid:
             self.failed.add(wid)
             self.d.workers.mark_dead(wid)
+            self.worker_id = ""
         self.failovers += 1
         self.d.metrics.failovers.inc()
         if self.failovers > self.d.max_failovers:
