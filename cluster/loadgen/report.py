@@ -34,6 +34,7 @@ def summarize(outcomes: list[Outcome], wall_s: float) -> dict:
         "completed": len(ok),
         "failed": len(outcomes) - len(ok),
         "errors": dict(errors),
+        "error_examples": sorted({o.error for o in outcomes if o.error is not None})[:3],
         "wall_s": wall_s,
         "throughput_rps": len(ok) / wall_s if wall_s > 0 else 0.0,
         "output_tokens_per_s": output / wall_s if wall_s > 0 else 0.0,

@@ -49,7 +49,9 @@ async def run(
     bar = Progress(len(requests), "bench", enabled=progress)
     outcomes: list[Outcome] = []
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # Idle connections are dropped before common servers' keep-alive timeouts (uvicorn: 5 s),
+    # so that a request never goes out on a connection the server is closing.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
     started = time.perf_counter()
     deadline = started + cfg.duration_s if cfg.duration_s else float("inf")
 
