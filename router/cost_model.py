@@ -6,10 +6,10 @@ first token therefore comes after the prefill queued ahead of it and its own unc
 both slowed by the decode work that rides along every chunk:
 
     effective_speed = speed / (1 + decode_step_s * speed / prefill_budget)   (while decoding)
-    ttft = queue_s + slot_wait_s + uncached / effective_speed + host_hit / host_load_speed
-           + decode_step_s
+    prefill_s = uncached / effective_speed x (1 + (cached + uncached / 2) / attention_knee)
+    ttft = queue_s + room_wait_s + prefill_s + host_hit / host_load_speed + decode_step_s
 
-`slot_wait_s` is the wait for a running slot once `max_running` requests run.
+`room_wait_s` is the wait for a running slot (past `max_running`) or for KV room.
 
 The `cost` policy minimises `scores` = ttft + weight x own prefill time, the weight growing
 with the cluster's backlog (see there).
@@ -39,6 +39,10 @@ class CostConfig:
     decode_step_per_request_s: float = 0.0002  # prior growth of the step time per running request
     prefill_budget: int = 512  # prompt tokens per engine step (chunked prefill)
     host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
+    # prefill time per token grows with the context it attends to: at this context, attention
+    # costs as much as the rest (~ 6 x hidden size; 30k for Llama 3 8B: 2 x 32 layers x 4096
+    # x context FLOPs of attention vs 2 x 8e9 of weights per token); 0: linear prefill
+    attention_knee_tokens: float = 30_000.0
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     compute_weight: float = 0.5  # `scores`: seconds of score per second of prefill it adds
     backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
@@ -147,7 +151,10 @@ class CostModel:
         device = device if device < limit else limit
         host = view.host_blocks * request.block_size
         host = host if host < limit - device else limit - device
-        prefill = (request.num_tokens - device - host) / effective
+        uncached = request.num_tokens - device - host
+        prefill = uncached / effective
+        if cfg.attention_knee_tokens > 0:  # attention: each new token reads its whole prefix
+            prefill *= 1.0 + (device + host + uncached / 2) / cfg.attention_knee_tokens
         if host:
             prefill += host / cfg.host_load_tokens_per_s
         wait = self._queue_s(view, effective)
