@@ -45,11 +45,11 @@ class RadixrayRouter:
         model_dir = str(resolve_model(self.config.model))
         self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
         await self.pool.start(count)
-        self.app = build_router(self.config, model_dir, self.pool, pool_backends(self.pool))
+        self.router_app = build_router(self.config, model_dir, self.pool, pool_backends(self.pool))
         self._watch = asyncio.get_running_loop().create_task(self.pool.watch())
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self.app
+        return self.router_app
 
     def __del__(self) -> None:
         pool = getattr(self, "pool", None)

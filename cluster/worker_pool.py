@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -83,6 +84,8 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.link: RouterLink | None = None
         self._next_index = 0
+        # Actor names are unique per pool: a Serve rollout runs an old and a new pool at once.
+        self.pool_id = uuid.uuid4().hex[:8]
 
     async def start(self, count: int, progress: Callable[[Worker], None] | None = None) -> None:
         """Reserve `count` bundles, create the workers and wait until each has its model loaded."""
@@ -143,7 +146,7 @@ class WorkerPool:
         self._next_index += 1
         resources = slot.group.bundle_specs[slot.bundle_index]
         actor = _actor_class().options(
-            name=f"radixray-{worker_id}",
+            name=f"radixray-{self.pool_id}-{worker_id}",
             namespace=self.config.namespace,
             num_cpus=resources.get("CPU", 0),
             num_gpus=resources.get("GPU", 0),

@@ -1,0 +1,116 @@
+"""Failure handling on a real local Ray: a worker process killed under streaming load, and the
+router as a Ray Serve application."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cluster.config import ClusterConfig
+from cluster.launcher import Launcher
+from cluster.serve_app import build_app
+
+pytestmark = pytest.mark.ray
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cluster(helpers):
+    ray.init(num_cpus=4, include_dashboard=False)
+    config = ClusterConfig(port=helpers.free_port(), kv_tokens=8192, workers=2)
+    launcher = Launcher(config)
+    try:
+        launcher.start()
+        yield launcher
+    finally:
+        launcher.stop()
+        ray.shutdown()
+
+
+async def stream_one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event, log: dict):
+    """One streaming chat; records its first worker; returns (text, finish_reason, usage)."""
+    raw = await client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": f"story number {i} " * 20}],
+        max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    log[i] = raw.headers["x-radixray-worker"]
+    text, finish, usage = "", None, None
+    async for chunk in raw.parse():
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+        started.set()
+    return text, finish, usage
+
+
+async def run_and_kill(url: str, pool, n: int) -> tuple[list, dict, str]:
+    """Start `n` streams, kill the worker serving most of them mid-stream, finish them all."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    events = [asyncio.Event() for _ in range(n)]
+    log: dict[int, str] = {}
+    tasks = [asyncio.create_task(stream_one(client, i, events[i], log)) for i in range(n)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+    victim = max(set(log.values()), key=list(log.values()).count)
+    ray.kill(pool.workers[victim].actor, no_restart=False)  # Ray restarts it
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
+    await client.close()
+    return results, log, victim
+
+
+def test_worker_killed_under_streaming_load(cluster, helpers):
+    results, log, victim = asyncio.run(run_and_kill(cluster.url, cluster.pool, 6))
+    assert victim in log.values()
+    for _text, finish, usage in results:  # every stream completed in full, none failed
+        assert finish == "length"
+        assert usage is not None and usage.completion_tokens == MAX_TOKENS
+
+    # Ray restarts the actor; the router re-adds it (empty) and routes to it again.
+    def back() -> bool:
+        rows = {r["id"]: r for r in helpers.workers_json(cluster.url)}
+        return rows.get(victim, {}).get("state") == "ready"
+
+    helpers.wait_for(back, 120, f"{victim} to come back")
+    helpers.wait_for(lambda: cluster.pool.workers[victim].restarts >= 1, 30, "the watcher")
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+
+    def one(i: int) -> str:
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt=f"fresh prompt {i} " * 40, max_tokens=4)
+        return raw.headers["x-radixray-worker"]
+
+    served: set[str] = set()
+    with cf.ThreadPoolExecutor(4) as threads:
+        for burst in range(3):  # bursts of distinct prompts spread over the workers
+            served.update(threads.map(one, range(burst * 4, burst * 4 + 4)))
+            if victim in served:
+                break
+    assert victim in served
+    helpers.assert_idle_accounting(cluster.url)
+
+
+def test_serve_app_answers_a_chat_request(cluster, helpers):
+    port = helpers.free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(build_app({"workers": 1, "kv_tokens": 4096, "port": 1}),
+                  name="radixray", route_prefix="/")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello from Serve"}],
+            max_tokens=4, extra_body={"ignore_eos": True},
+        )
+        assert raw.parse().usage.completion_tokens == 4
+        assert raw.headers["x-radixray-worker"].startswith("worker-")
+        helpers.assert_idle_accounting(f"http://127.0.0.1:{port}")
+    finally:
+        serve.shutdown()
