@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from mem_cache.allocator import KVAllocator
-from mem_cache.kv_pool import ReqToTokenPool
+from mem_cache.host_cache import HostKVPool, PoolCopier
+from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory
@@ -40,8 +41,8 @@ class EngineConfig:
     max_context: int | None = None  # None: the model's
     enable_cache: bool = True  # radix prefix cache on/off
     session_ttl_s: float = 600.0  # default for requests that do not set session_ttl_s
-    host_kv_tokens: int = 0  # host KV tier slots (0: off)
-    host_policy: str = "write_through"
+    host_kv_tokens: int = 0  # host KV tier slots (0: off); evicted prefixes wait there
+    host_policy: str = "write_through"  # | "write_through_selective" | "write_back"
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
 
@@ -63,11 +64,7 @@ class Engine:
         self.runner.allocate_kv(kv_tokens)
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
-        radix = (
-            RadixCache(allocator, config.page_size, config.block_size)
-            if config.enable_cache
-            else None
-        )
+        radix = _make_cache(config, allocator, self.kv_pool) if config.enable_cache else None
         rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
         self.sessions = SessionTable()
         self.memory = KVMemory(allocator, radix, rows, self.sessions)
@@ -145,6 +142,8 @@ class Engine:
         self.take_event_batch()
         self.num_steps += 1
         if not self.has_work():
+            if self.memory.radix is not None:
+                self.memory.radix.flush()  # copies to host in flight hold device locks
             self.check_integrity()
         return chunks
 
@@ -241,6 +240,7 @@ class Engine:
 
     def stats(self) -> WorkerStats:
         radix = self.memory.radix
+        host = radix.host_allocator if radix else None
         return WorkerStats(
             worker_id=self.worker_id,
             kv_total=self.memory.allocator.size,
@@ -248,6 +248,8 @@ class Engine:
             kv_evictable=radix.evictable_size() if radix else 0,
             kv_protected=radix.protected_size() if radix else 0,
             kv_session=self.sessions.owned_tokens(),
+            kv_host_total=host.size if host else 0,
+            kv_host_free=host.available_size() if host else 0,
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             waiting_prefill_tokens=self.scheduler.waiting_prefill_tokens(),
@@ -270,3 +272,24 @@ class Engine:
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old == 0.0 else (1 - weight) * old + weight * new
+
+
+def _make_cache(config: EngineConfig, allocator: KVAllocator, kv_pool: KVPool) -> RadixCache:
+    """The radix cache, with a host tier of `host_kv_tokens` slots when that is > 0. A host
+    hit shorter than one block is recomputed rather than loaded back."""
+    page = config.page_size
+    host_tokens = config.host_kv_tokens // page * page
+    if host_tokens <= 0:
+        return RadixCache(allocator, page, config.block_size)
+    host_pool = HostKVPool(
+        host_tokens, kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
+    )
+    return RadixCache(
+        allocator,
+        page,
+        config.block_size,
+        host_allocator=KVAllocator(host_tokens, page),
+        write_policy=config.host_policy,
+        copier=PoolCopier(kv_pool, host_pool),
+        load_back_min=config.block_size,
+    )

@@ -70,6 +70,8 @@ class KVMemory:
         if self.radix is None:
             return
         m = self.radix.match_prefix(req.tokens[: len(req.tokens) - 1], req.namespace)
+        if m.host_length:  # evicted to the host tier: copy it back rather than recompute
+            m = self.radix.load_back(m)
         assert m.length % self.page_size == 0 and m.length < len(req.tokens)
         self.rows.req_to_token[req.row, : m.length] = m.indices.to(self.rows.req_to_token.device)
         self.radix.lock(m.node)
