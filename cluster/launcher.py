@@ -16,6 +16,7 @@ so the main thread stays free for signals (and a test can run a launcher in-proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
@@ -147,6 +148,8 @@ class Launcher:
         started.set_result(None)
         await serving
         self._watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watch
 
     def _request_exit(self) -> None:
         if self._server is not None:
