@@ -34,8 +34,15 @@ def reference() -> dict[int, list[int]]:
     return {seed: run(engine, f"ref{seed}", prompt(96, seed)).token_ids for seed in range(5)}
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(
+    ("policy", "page_size"),
+    [
+        ("write_through", 1),
+        ("write_through", 16),
+        ("write_through_selective", 1),
+        ("write_back", 16),
+    ],
+)
 def test_prefix_evicted_to_host_is_loaded_back_with_the_same_output(reference, policy, page_size):
     engine = Engine(
         EngineConfig(kv_tokens=256, page_size=page_size, host_kv_tokens=2048, host_policy=policy)
