@@ -9,8 +9,12 @@ from router.generation import ChoiceDelta, ChoiceRun, Job, TokenLogprob
 from router.tokenizer import Tokenizer
 
 
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
 def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _dumps(obj) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -35,6 +39,11 @@ class Renderer:
         self.object = "chat.completion" if chat else "text_completion"
         self.id = ("chatcmpl-" if chat else "cmpl-") + job.request_id
         self._offsets: dict[int, int] = {}  # completions: text offset per choice
+        # Streams without logprobs or ids: each chunk is this prefix + a small formatted tail,
+        # so the per-token cost is one string escape instead of a whole json.dumps.
+        object_ = "chat.completion.chunk" if chat else "text_completion"
+        self._plain = top_logprobs is None and not return_token_ids
+        self._prefix = b"data: " + _dumps(self._head(object_))[:-1] + b',"choices":[{"index":'
 
     def _head(self, object_: str) -> dict:
         return {
@@ -80,6 +89,8 @@ class Renderer:
         return sse({**self._head("chat.completion.chunk"), "choices": [choice]})
 
     def chunk(self, delta: ChoiceDelta) -> bytes:
+        if self._plain:
+            return self._plain_chunk(delta)
         if self.chat:
             choice: dict[str, Any] = {
                 "index": delta.index,
@@ -99,6 +110,16 @@ class Renderer:
         if self.return_token_ids:
             choice["token_ids"] = delta.token_ids
         return sse({**self._head(object_), "choices": [choice]})
+
+    def _plain_chunk(self, delta: ChoiceDelta) -> bytes:
+        text = json.dumps(delta.text)
+        finish = "null" if delta.finish_reason is None else json.dumps(delta.finish_reason)
+        if self.chat:
+            content = f'{{"content":{text}}}' if delta.text else "{}"
+            tail = f'{delta.index},"delta":{content},"logprobs":null,"finish_reason":{finish}}}]}}'
+        else:
+            tail = f'{delta.index},"text":{text},"logprobs":null,"finish_reason":{finish}}}]}}'
+        return self._prefix + tail.encode() + b"\n\n"
 
     def usage_chunk(self, usage: dict) -> bytes:
         object_ = "chat.completion.chunk" if self.chat else "text_completion"

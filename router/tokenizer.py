@@ -30,6 +30,7 @@ class Tokenizer:
         self.fast = getattr(self.hf, "backend_tokenizer", None) if self.hf.is_fast else None
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
             self.fast = None  # decode post-processing only transformers does
+        self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocab entries
         limit = getattr(self.hf, "model_max_length", None)
         sane = isinstance(limit, int) and limit < 1 << 30  # HF uses a huge int for "unknown"
         self.model_max_length: int | None = limit if sane else None
@@ -47,6 +48,15 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1:  # streaming decodes single tokens all the time: remember them
+            key = (ids[0], skip_special_tokens)
+            text = self._single.get(key)
+            if text is None:
+                text = self._single[key] = self._decode(ids, skip_special_tokens)
+            return text
+        return self._decode(ids, skip_special_tokens)
+
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         if self.fast is not None:
             return self.fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
