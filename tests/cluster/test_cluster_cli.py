@@ -1,0 +1,157 @@
+"""The `radixray` command: flags and config without Ray, then `radixray serve` as a real
+subprocess (its own local Ray) answering the curl line it prints, and stopping cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from cluster.admin import admin_request
+from cluster.cli import build_parser, curl_line
+from cluster.config import API_KEY_ENV, ClusterConfig
+
+SERVE_FLAGS = ("--model", "--workers", "--gpus-per-worker", "--device", "--host", "--port",
+               "--policy", "--kv-tokens", "--page-size", "--host-kv-tokens", "--host-policy",
+               "--api-key", "--address")
+
+
+def test_serve_defaults_are_the_laptop_setup(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    config = ClusterConfig.from_args(build_parser().parse_args(["serve"]))
+    assert (config.model, config.host, config.port, config.address) == (
+        "tiny", "127.0.0.1", 8000, None)
+    assert config.resolve_device(cluster_gpus=0) == "cpu"
+    assert config.resolve_workers("cpu", 0) == 2
+    assert config.bundle("cpu") == {"CPU": 1.0}
+
+
+def test_serve_help_names_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in SERVE_FLAGS:
+        assert flag in text
+
+
+def test_flags_map_onto_the_config():
+    args = build_parser().parse_args(
+        ["serve", "--model", "small", "--workers", "3", "--gpus-per-worker", "2", "--port",
+         "9001", "--policy", "round_robin", "--kv-tokens", "4096", "--page-size", "16",
+         "--api-key", "k", "--address", "auto", "--device", "cuda"])
+    config = ClusterConfig.from_args(args)
+    assert (config.model, config.workers, config.port, config.policy, config.kv_tokens,
+            config.page_size, config.api_key, config.address) == (
+        "small", 3, 9001, "round_robin", 4096, 16, "k", "auto")
+    assert config.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
+    assert config.resolve_workers("cuda", cluster_gpus=8) == 3
+
+
+def test_gpu_cluster_gets_one_worker_per_gpu_group():
+    config = ClusterConfig(gpus_per_worker=2)
+    assert config.resolve_device(cluster_gpus=8) == "cuda"
+    assert config.resolve_workers("cuda", cluster_gpus=8) == 4
+
+
+def test_api_key_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "secret")
+    config = ClusterConfig()
+    assert config.api_key == "secret"
+    assert "Authorization: Bearer $RADIXRAY_API_KEY" in curl_line(config)
+
+
+def test_serve_app_args_reject_unknown_keys():
+    assert ClusterConfig.from_dict({"model": "tiny", "workers": 1}).workers == 1
+    with pytest.raises(ValueError, match="modle"):
+        ClusterConfig.from_dict({"modle": "tiny"})
+    with pytest.raises(ValueError):
+        ClusterConfig(device="tpu")
+
+
+def test_workers_admin_commands_map_to_endpoints():
+    parse = build_parser().parse_args
+    assert admin_request(parse(["workers", "list"])) == ("GET", "/v1/workers", None)
+    assert admin_request(parse(["workers", "add", "--count", "2"])) == (
+        "POST", "/v1/workers", {"count": 2})
+    assert admin_request(parse(["workers", "drain", "worker-1"]))[1] == "/v1/workers/worker-1/drain"
+    assert admin_request(parse(["workers", "remove", "worker-1"]))[0] == "DELETE"
+    with pytest.raises(SystemExit):
+        admin_request(parse(["workers", "drain"]))
+
+
+def _command() -> list[str]:
+    exe = shutil.which("radixray")
+    return [exe] if exe else [sys.executable, "-m", "cluster.cli"]
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process started (directly or not) by `root`."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.split("\n"):
+        if line.strip():
+            pid, ppid = map(int, line.split())
+            children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.add(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+@pytest.mark.ray
+def test_radixray_serve_answers_its_curl_line_and_stops_cleanly(helpers):
+    port = helpers.free_port()
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [*_command(), "serve", "--port", str(port), "--kv-tokens", "4096", "--num-cpus", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(240), "".join(lines)
+        curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
+        body = json.loads(shlex.split(curl)[-1])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        answer = client.chat.completions.create(**body)
+        print(f"radixray serve -> first answer: {time.monotonic() - t0:.1f}s")
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        ray_processes = _descendants(proc.pid)  # GCS, raylet, workers of its local Ray
+        assert len(ray_processes) >= 3
+    finally:
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        code = proc.wait(60)
+    assert code == 0, "".join(lines)
+    helpers.wait_for(lambda: not _alive(ray_processes), 30, "its Ray processes to exit")
