@@ -44,9 +44,9 @@ class CostConfig:
     # x context FLOPs of attention vs 2 x 8e9 of weights per token); 0: linear prefill
     attention_knee_tokens: float = 30_000.0
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
-    compute_weight: float = 0.5  # `scores`: seconds of score per second of prefill it adds
+    compute_weight: float = 5.0  # `scores`: seconds of score per second of prefill it adds
     backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
-    decode_weight: float = 0.1  # `scores`: seconds of score per second of its own decode
+    decode_weight: float = 0.25  # `scores`: seconds of score per second of its own decode
 
 
 class Speeds(NamedTuple):

@@ -75,12 +75,15 @@ def test_a_burst_of_new_prompts_spreads_over_idle_workers() -> None:
 def test_a_burst_on_one_prefix_follows_the_first_request_then_spills() -> None:
     core, _ = make_core(4)
     shared = list(range(4000))
-    decisions = [core.route(f"r{i}", block_hashes(shared + [i] * 160), 4160, 50) for i in range(40)]
+    decisions = [
+        core.route(f"r{i}", block_hashes(shared + [i] * 160), 4160, 50) for i in range(100)
+    ]
     first = decisions[0].worker_id
     assert decisions[0].reason == "least_load"
     assert all(d.worker_id == first and d.reason == "cache_hit" for d in decisions[1:6])
     assert decisions[1].cached_tokens == 4000
-    assert len({d.worker_id for d in decisions}) > 1  # the queue grew: others took some
+    # the queue (and past max_running, the wait for a slot) grew: others took the rest
+    assert len({d.worker_id for d in decisions}) > 1
 
 
 def test_optimistic_entries_are_confirmed_or_expire() -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from router.cost_model import CostConfig
 from router.load import Booking, LoadLedger
-from router.policies import RouteRequest, WorkerView, make_policy
+from router.policies import PolicyConfig, RouteRequest, WorkerView, make_policy
 from worker.protocol import WorkerStats
 
 
@@ -62,7 +63,7 @@ def test_drain_rate_measures_released_kv_over_a_window() -> None:
 
 
 def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
-    policy = make_policy("cost")
+    policy = make_policy("cost", PolicyConfig(cost=CostConfig(compute_weight=0.5)))
     request = RouteRequest("r", 4000, 250, 100, 16)
     full = WorkerStats("w0", kv_total=50_000)
     # w0 holds the prefix but its booked requests overfill its KV by ~53k tokens, which

@@ -6,6 +6,7 @@ from collections import Counter
 
 import pytest
 
+from router.cost_model import CostConfig
 from router.policies import POLICY_NAMES, PolicyConfig, RouteRequest, WorkerView, make_policy
 from worker.protocol import WorkerStats
 
@@ -121,14 +122,22 @@ def test_cost_prefers_the_cached_worker_when_idle() -> None:
 def test_cost_trades_locality_for_load_gradually() -> None:
     """The cached worker keeps winning while its queue is short; past the prefill time it saves
     (plus the compute weight) the request goes elsewhere: a soft threshold, not a switch."""
-    policy = make_policy("cost")
-    full_prefill_s = 4000 / policy.config.cost.prefill_tokens_per_s
+    linear = CostConfig(compute_weight=0.5, attention_knee_tokens=0)
+    policy = make_policy("cost", PolicyConfig(cost=linear))
+    full_prefill_s = 4000 / linear.prefill_tokens_per_s
     chosen = []
     for queue_s in (0.0, 0.25, 0.5, 0.7, 0.8, 1.0, 2.0):
         ws = views({"matched_blocks": 240, "queue_s": queue_s}, {})
         chosen.append(policy.choose(request(4000), ws).worker_id)
     assert chosen == ["w0"] * 4 + ["w1"] * 3
     assert 0.7 < 1.5 * full_prefill_s < 0.8
+    default = make_policy("cost")  # a larger compute weight moves the switch, keeps it single
+    chosen = []
+    for queue_s in range(0, 20):
+        ws = views({"matched_blocks": 240, "queue_s": float(queue_s)}, {})
+        chosen.append(default.choose(request(4000), ws).worker_id)
+    switch = chosen.index("w1")
+    assert switch > 1 and chosen == ["w0"] * switch + ["w1"] * (20 - switch)
 
 
 def test_cost_values_a_host_hit_between_device_hit_and_miss() -> None:
