@@ -236,7 +236,6 @@ class RoutingCore:
         view.prefill_tokens = load.prefill_tokens
         view.decode_tokens = load.decode_tokens
         view.active_tokens = load.active_tokens
-        view.kv_tokens = load.kv_tokens
         view.drain_tokens_per_s = self.ledger.drain_rate(view.worker_id, now)
         view.queue_s = max(0.0, load.busy_until - now)
         view.cached_blocks = self.index.num_blocks(view.worker_id)
@@ -275,7 +274,6 @@ class RoutingCore:
             prefill_tokens=request.num_tokens - decision.cached_tokens - decision.host_tokens,
             decode_tokens=request.expected_output,
             active_tokens=request.num_tokens + request.expected_output,
-            kv_tokens=request.num_tokens - decision.cached_tokens + request.expected_output,
             prefill_s=self.cost_model.prefill_s(request, view),
             prefill_done_at=0.0,
             hashes=hashes,

@@ -11,8 +11,10 @@ both slowed by the decode work that rides along every chunk:
 
 `room_wait_s` is the wait for a running slot (past `max_running`) or for KV room.
 
-The `cost` policy minimises `scores` = ttft + weight x own prefill time, the weight growing
-with the cluster's backlog (see there).
+The `cost` policy minimises `scores`: ttft + a weight x its own prefill time (the compute it
+takes from later requests; the weight grows with the cluster's backlog) + a small weight x its
+decode time there (see `scores`). The weights were set on the simulator (`cluster/sim`, the
+Mooncake conversation trace and the synthetic workloads), where they gave the lowest TTFT.
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
 once the worker has measured them; until then the priors below stand in (their step time grows

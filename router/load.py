@@ -25,7 +25,6 @@ class Booking:
     prefill_tokens: int  # uncached prompt tokens the worker must compute
     decode_tokens: int  # expected output tokens
     active_tokens: int  # KV footprint: prompt + expected output
-    kv_tokens: int  # KV it adds to the worker: uncached prompt + expected output
     prefill_s: float  # predicted time of its own prefill
     prefill_done_at: float  # predicted time its first token is out
     hashes: Sequence[int] = ()  # its block hashes (index bookkeeping)
@@ -41,7 +40,6 @@ class WorkerLoad:
     prefill_tokens: int = 0  # of bookings whose predicted prefill is still ahead
     decode_tokens: int = 0
     active_tokens: int = 0
-    kv_tokens: int = 0
     busy_until: float = 0.0
     prefill_ahead: list[tuple[float, int, Booking]] = field(default_factory=list)  # heap
 
@@ -123,7 +121,6 @@ class LoadLedger:
         load.requests += 1
         load.decode_tokens += booking.decode_tokens
         load.active_tokens += booking.active_tokens
-        load.kv_tokens += booking.kv_tokens
         if booking.prefill_done_at > now:
             load.prefill_tokens += booking.prefill_tokens
             self._pushed += 1
@@ -145,7 +142,6 @@ class LoadLedger:
         load.requests -= 1
         load.decode_tokens -= booking.decode_tokens
         load.active_tokens -= booking.active_tokens
-        load.kv_tokens -= booking.kv_tokens
         if booking.prefill_done_at > now:
             load.prefill_tokens -= booking.prefill_tokens
             load.busy_until -= min(booking.prefill_s, booking.prefill_done_at - now)

@@ -49,7 +49,6 @@ class WorkerView:
     prefill_tokens: int = 0  # booked uncached prompt tokens whose prefill is still ahead
     decode_tokens: int = 0  # booked expected output tokens
     active_tokens: int = 0  # booked KV footprint: prompt + expected output
-    kv_tokens: int = 0  # booked KV beyond cached prefixes: uncached prompt + expected output
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
 

@@ -13,7 +13,7 @@ from worker.protocol import WorkerStats
 def booking(request_id: str, worker: str = "w0", prefill_s: float = 1.0) -> Booking:
     return Booking(
         request_id, worker, prefill_tokens=1000, decode_tokens=50, active_tokens=1050,
-        kv_tokens=1050, prefill_s=prefill_s, prefill_done_at=0.0,
+        prefill_s=prefill_s, prefill_done_at=0.0,
     )  # fmt: skip
 
 
