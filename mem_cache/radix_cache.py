@@ -263,6 +263,7 @@ class RadixCache(HostTier):
             state,
             self._tick,
         )
+        leaf.hits = 1  # its first use (write_through_selective backs up on the second)
         parent.children[self._child_key(leaf)] = leaf
         self._evictable += n - pos
         self._num_nodes += 1
@@ -296,12 +297,15 @@ class RadixCache(HostTier):
             if not last.children and last.lock_ref == 0:
                 self._push(last)
             return
+        last_device = None
         for node in path:
             node.hits += 1
+            if not node.evicted:
+                last_device = node
         if last.evicted:
             self._maybe_host_candidate(last)
-        elif self._is_device_leaf(last):
-            self._push(last)
+        if last_device is not None and self._is_device_leaf(last_device):
+            self._push(last_device)
 
     def _gather(self, path: list[TreeNode]) -> torch.Tensor:
         values = [node.value for node in path]

@@ -103,7 +103,7 @@ class HostTier:
         """Release one `protect_host(node)`; `ValueError`, changing nothing, if it has none."""
         if node is self.root:
             return
-        if node.host_here <= 0:
+        if node.host_here <= 0 or node.parent is None:
             raise ValueError("release_host(): the node is not protected")
         node.host_here -= 1
         leaf = node
