@@ -25,8 +25,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="tiny", help="built-in model name or HF dir")
     parser.add_argument("--policy", default="cost")
     args = parser.parse_args()
-    config = RouterConfig(model=args.model, tokenizer=str(resolve_model(args.tokenizer)),
-                          policy=args.policy)
+    config = RouterConfig(
+        model=args.model, tokenizer=str(resolve_model(args.tokenizer)), policy=args.policy
+    )
     backends = [HttpBackend(f"w{i}", url, model=args.model) for i, url in enumerate(args.workers)]
     app = create_app(config, backends)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)

@@ -43,9 +43,23 @@ def post(url: str) -> None:
 
 
 def start_workers(port: int, count: int, args: argparse.Namespace, scale: float):
-    cmd = [sys.executable, "-m", "cluster.fake_worker", "--host", HOST, "--port", str(port),
-           "--count", str(count), "--tokenizer", args.tokenizer, "--time-scale", str(scale),
-           "--kv-tokens", str(args.kv_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cluster.fake_worker",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--count",
+        str(count),
+        "--tokenizer",
+        args.tokenizer,
+        "--time-scale",
+        str(scale),
+        "--kv-tokens",
+        str(args.kv_tokens),
+    ]
     proc = subprocess.Popen(cmd)
     urls = [f"http://{HOST}:{port + i}" for i in range(count)]
     for url in urls:
@@ -55,11 +69,34 @@ def start_workers(port: int, count: int, args: argparse.Namespace, scale: float)
 
 def start_router(kind: str, port: int, urls: list[str], args: argparse.Namespace):
     if kind == "radixray":
-        cmd = [sys.executable, "bench/http_router.py", "--host", HOST, "--port", str(port),
-               "--tokenizer", args.tokenizer, "--policy", args.policy, "--workers", *urls]
+        cmd = [
+            sys.executable,
+            "bench/http_router.py",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--tokenizer",
+            args.tokenizer,
+            "--policy",
+            args.policy,
+            "--workers",
+            *urls,
+        ]
     else:
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST, "--port",
-               str(port), "--policy", "cache_aware", "--worker-urls", *urls]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--policy",
+            "cache_aware",
+            "--worker-urls",
+            *urls,
+        ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_http(f"http://{HOST}:{port}/health")
     time.sleep(2)
