@@ -3,13 +3,9 @@
 Stored flat. Because block hashes are chained (`mem_cache.events.block_hashes`), hash `i` stands
 for the whole prefix of blocks `0..i`, so a worker's match for a request is the number of leading
 hashes it holds; no tree is needed. Per tier (`device`, `host`) one dict maps a hash to a bitmask
-of the workers holding it, which makes a match for N workers one pass of integer ANDs over the
+of the workers holding it (`router/index_store.py`, which also keeps each worker's entries in
+LRU order for the memory bound), so a match for N workers is one pass of integer ANDs over the
 request's hashes, stopping as soon as no worker continues.
-
-Each worker's entries also sit in a per-worker, per-tier `OrderedDict` (hash -> last-use tick,
-least recently used first). Ticks are global and unique, so the least recently used entry of the
-whole index is the oldest head among those dicts: that is how the memory bound (`max_blocks`
-entries, one per (block, worker, tier)) evicts.
 
 Device entries are born two ways: optimistically when a request is routed to a worker (so a
 burst on a new prefix follows the first request), and exactly by the worker's `BlockStored`
@@ -22,10 +18,8 @@ Not thread-safe: one owner (the router's event loop or the simulator) drives it.
 
 from __future__ import annotations
 
-import heapq
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -38,8 +32,7 @@ from mem_cache.events import (
     EventBatch,
     KVEvent,
 )
-
-_TIERS = (DEVICE, HOST)
+from router.index_store import TIERS, EntryStore
 
 
 @dataclass
@@ -63,19 +56,6 @@ class PrefixMatch:
     host: dict[str, int]
 
 
-class _Worker:
-    """One worker's entries: per tier hash -> last-use tick (LRU first), and unconfirmed ones."""
-
-    __slots__ = ("worker_id", "bit", "tiers", "pending", "cursor")
-
-    def __init__(self, worker_id: str, bit: int) -> None:
-        self.worker_id = worker_id
-        self.bit = bit
-        self.tiers: dict[str, OrderedDict[int, int]] = {t: OrderedDict() for t in _TIERS}
-        self.pending: dict[int, float] = {}  # unconfirmed device hash -> deadline, deadline order
-        self.cursor: tuple[int, int] | None = None  # (epoch, seq) of the last applied batch
-
-
 class PrefixIndex:
     """Chained block hash -> workers, with optimistic entries, exact events and a memory bound."""
 
@@ -84,42 +64,19 @@ class PrefixIndex:
     ) -> None:
         self.config = config or IndexConfig()
         self._clock = clock
-        self._workers: dict[str, _Worker] = {}
-        self._by_bit: dict[int, _Worker] = {}
-        self._free_bits: list[int] = []
-        self._masks: dict[str, dict[int, int]] = {t: {} for t in _TIERS}
-        self._all_bits = 0
-        self._size = 0
-        self._tick = 0
+        self._store = EntryStore(self.config.max_blocks)
+        self._workers = self._store.workers
         self._next_deadline = math.inf
 
     # --- workers ---------------------------------------------------------------------------
 
     def add_worker(self, worker_id: str) -> None:
         """Register a worker (no entries, no event cursor). A known worker is left as it is."""
-        if worker_id in self._workers:
-            return
-        bit = self._free_bits.pop() if self._free_bits else len(self._by_bit)
-        worker = _Worker(worker_id, bit)
-        self._workers[worker_id] = worker
-        self._by_bit[bit] = worker
-        self._all_bits |= 1 << bit
+        self._store.add_worker(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget a worker and every entry of it; unknown ids are ignored."""
-        worker = self._workers.pop(worker_id, None)
-        if worker is None:
-            return
-        self._clear(worker)
-        del self._by_bit[worker.bit]
-        self._all_bits &= ~(1 << worker.bit)
-        self._free_bits.append(worker.bit)
-
-    def clear_worker(self, worker_id: str) -> None:
-        """Drop all entries of a worker (it restarted or is about to send a snapshot)."""
-        worker = self._workers.get(worker_id)
-        if worker is not None:
-            self._clear(worker)
+        self._store.remove_worker(worker_id)
 
     def workers(self) -> list[str]:
         return list(self._workers)
@@ -133,7 +90,7 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Entries held, one per (block, worker, tier): what `max_blocks` bounds."""
-        return self._size
+        return self._store.size
 
     def num_blocks(self, worker_id: str, medium: str = DEVICE) -> int:
         worker = self._workers.get(worker_id)
@@ -154,13 +111,13 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int]) -> PrefixMatch:
         """Leading blocks of `hashes` each worker holds, in one pass; see `PrefixMatch`."""
-        if not self._masks[HOST]:
+        if not self._store.masks[HOST]:
             return PrefixMatch(self._match_device(hashes), {})
         return self._match_tiers(hashes)
 
     def _match_device(self, hashes: Sequence[int]) -> dict[str, int]:
-        masks = self._masks[DEVICE]
-        active = self._all_bits
+        masks = self._store.masks[DEVICE]
+        active = self._store.all_bits
         lengths: dict[str, int] = {}
         for i, h in enumerate(hashes):
             held = masks.get(h, 0) & active
@@ -173,8 +130,8 @@ class PrefixIndex:
         return lengths
 
     def _match_tiers(self, hashes: Sequence[int]) -> PrefixMatch:
-        device_masks, host_masks = self._masks[DEVICE], self._masks[HOST]
-        on_device = anywhere = self._all_bits
+        device_masks, host_masks = self._store.masks[DEVICE], self._store.masks[HOST]
+        on_device = anywhere = self._store.all_bits
         device: dict[str, int] = {}
         total: dict[str, int] = {}
         n = len(hashes)
@@ -199,7 +156,7 @@ class PrefixIndex:
         while bits:
             low = bits & -bits
             if length:
-                out[self._by_bit[low.bit_length() - 1].worker_id] = length
+                out[self._store.by_bit[low.bit_length() - 1].worker_id] = length
             bits ^= low
 
     # --- updates -------------------------------------------------------------------------------
@@ -212,17 +169,10 @@ class PrefixIndex:
         """
         worker = self._workers[worker_id]
         deadline = self._clock() + self.config.optimistic_ttl_s
-        device = worker.tiers[DEVICE]
-        for h in hashes:
-            if h in device:
-                self._tick += 1
-                device.move_to_end(h)
-                device[h] = self._tick
-            else:
-                self._add(worker, DEVICE, h)
-                worker.pending[h] = deadline
+        for h in self._store.touch(worker, DEVICE, hashes):
+            worker.pending[h] = deadline
         self._next_deadline = min(self._next_deadline, deadline)
-        self._enforce_bound()
+        self._store.enforce_bound()
 
     def refresh_pending(self, worker_id: str, hashes: Sequence[int]) -> None:
         """Restart the TTL of the worker's unconfirmed entries among `hashes` (request finished).
@@ -243,15 +193,19 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         if worker is None:
             return
+        store = self._store
         for event in events:
-            if isinstance(event, BlockStored) and event.medium in _TIERS:
-                self._store(worker, event.medium, event.hashes)
-            elif isinstance(event, BlockRemoved) and event.medium in _TIERS:
+            if isinstance(event, BlockStored) and event.medium in TIERS:
+                store.touch(worker, event.medium, event.hashes)
+                if event.medium == DEVICE:  # confirmed
+                    for h in event.hashes:
+                        worker.pending.pop(h, None)
+            elif isinstance(event, BlockRemoved) and event.medium in TIERS:
                 for h in event.hashes:
-                    self._drop(worker, event.medium, h)
+                    store.drop(worker, event.medium, h)
             elif isinstance(event, AllCleared):
-                self._clear(worker)
-        self._enforce_bound()
+                store.clear(worker)
+        store.enforce_bound()
 
     def apply_batch(self, batch: EventBatch) -> bool:
         """Apply one numbered batch; False when events were missed and a snapshot is needed.
@@ -291,70 +245,7 @@ class PrefixIndex:
                 if deadline > now:
                     next_deadline = min(next_deadline, deadline)
                     break
-                self._drop(worker, DEVICE, h)
+                self._store.drop(worker, DEVICE, h)
                 dropped += 1
         self._next_deadline = next_deadline
         return dropped
-
-    # --- entry ownership: every entry is added in _add and removed in _drop or _clear --------
-
-    def _store(self, worker: _Worker, medium: str, hashes: Iterable[int]) -> None:
-        entries = worker.tiers[medium]
-        for h in hashes:
-            if h in entries:
-                self._tick += 1
-                entries.move_to_end(h)
-                entries[h] = self._tick
-            else:
-                self._add(worker, medium, h)
-            if medium == DEVICE:
-                worker.pending.pop(h, None)
-
-    def _add(self, worker: _Worker, medium: str, h: int) -> None:
-        self._tick += 1
-        worker.tiers[medium][h] = self._tick
-        masks = self._masks[medium]
-        masks[h] = masks.get(h, 0) | (1 << worker.bit)
-        self._size += 1
-
-    def _drop(self, worker: _Worker, medium: str, h: int) -> None:
-        if worker.tiers[medium].pop(h, None) is None:
-            return
-        if medium == DEVICE:
-            worker.pending.pop(h, None)
-        masks = self._masks[medium]
-        rest = masks[h] & ~(1 << worker.bit)
-        if rest:
-            masks[h] = rest
-        else:
-            del masks[h]
-        self._size -= 1
-
-    def _clear(self, worker: _Worker) -> None:
-        for medium in _TIERS:
-            for h in list(worker.tiers[medium]):
-                self._drop(worker, medium, h)
-        worker.pending.clear()
-
-    def _enforce_bound(self) -> None:
-        """Evict least recently used entries, index-wide, until `max_blocks` holds."""
-        excess = self._size - self.config.max_blocks
-        if excess <= 0:
-            return
-        heads = [
-            (next(iter(entries.values())), worker.bit, medium)
-            for worker in self._workers.values()
-            for medium, entries in worker.tiers.items()
-            if entries
-        ]
-        heapq.heapify(heads)
-        while excess > 0 and heads:
-            _, bit, medium = heads[0]
-            worker = self._by_bit[bit]
-            entries = worker.tiers[medium]
-            self._drop(worker, medium, next(iter(entries)))
-            excess -= 1
-            if entries:
-                heapq.heapreplace(heads, (next(iter(entries.values())), bit, medium))
-            else:
-                heapq.heappop(heads)

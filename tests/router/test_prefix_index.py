@@ -102,7 +102,7 @@ def test_remove_worker_leaves_no_trace(index: PrefixIndex) -> None:
     index.record_route("b", OTHER)
     index.remove_worker("b")
     assert len(index) == 0
-    assert index._masks == {"device": {}, "host": {}}
+    assert index._store.masks == {"device": {}, "host": {}}
     assert "b" not in index.workers() and index.cursor("b") is None
     index.add_worker("d")  # reuses b's bit: must start empty
     assert index.match(PROMPT).device == {} and index.match(OTHER).device == {}

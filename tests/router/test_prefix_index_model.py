@@ -167,7 +167,7 @@ class IndexMachine(RuleBasedStateMachine):
             for w, t, h in self.model.entries:
                 if t == tier:
                     expected[h] = expected.get(h, 0) | (1 << self.index._workers[w].bit)
-            assert self.index._masks[tier] == expected
+            assert self.index._store.masks[tier] == expected
 
 
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
