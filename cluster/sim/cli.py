@@ -59,6 +59,10 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated policy names, each simulated separately")
     parser.add_argument("--load", type=float, default=None,
                         help="set the speed so uncached prefill work fills this fraction")
+    parser.add_argument("--host-kv-tokens", type=int, default=0,
+                        help="host KV tier per worker in tokens (0: none)")
+    parser.add_argument("--host-policy", default="write_through",
+                        choices=("write_through", "write_through_selective", "write_back"))
     parser.add_argument("--event-delay", type=float, default=0.05,
                         help="seconds before KV events and stats reach the router")
     parser.add_argument("--profile", default=None,
@@ -122,7 +126,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     kv_tokens = args.kv_tokens or profile.kv_tokens
     results = []
     for name in policies:
-        config = SimConfig(args.workers, kv_tokens, name, args.event_delay, seed=args.seed)
+        config = SimConfig(args.workers, kv_tokens, name, args.event_delay, seed=args.seed,
+                           host_kv_tokens=args.host_kv_tokens, host_policy=args.host_policy)
         started = time.perf_counter()
         try:
             results.append(simulate(workload, config, profile, not args.no_progress))
@@ -131,7 +136,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             return 2
         if not args.no_progress:
             print(f"{name}: {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    pooled = pooled_hit_rate(workload, kv_tokens * args.workers)
+    pooled = pooled_hit_rate(workload, (kv_tokens + args.host_kv_tokens) * args.workers)
     report = build_report(results, pooled)
     if args.json:
         print(json.dumps(report))

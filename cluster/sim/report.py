@@ -3,7 +3,8 @@
 Per policy: `hit_rate` (cached prompt tokens / prompt tokens), `ttft_mean`, `ttft_p50`,
 `ttft_p99`, `e2e_mean` (seconds), `load_max_over_mean` (the busiest worker's busy time over the
 mean busy time: 1.0 is perfect balance of the work actually done, not of request counts), plus
-`requests_per_worker`, `throughput_rps` and `output_tokens_per_s` (over the makespan).
+`requests_per_worker`, `throughput_rps` and `output_tokens_per_s` (over the makespan), and
+`host_hit_rate` (the part of `hit_rate` loaded back from a host tier).
 `pooled_hit_rate` is the bound of `cluster.sim.pooled`.
 """
 
@@ -24,6 +25,7 @@ def summarize(result: SimResult) -> dict:
     span = result.makespan_s or float("nan")
     return {
         "hit_rate": sum(result.cached_tokens) / prompt if prompt else 0.0,
+        "host_hit_rate": sum(result.host_tokens) / prompt if prompt else 0.0,
         "ttft_mean": float(ttft.mean()) if len(ttft) else 0.0,
         "ttft_p50": float(np.percentile(ttft, 50)) if len(ttft) else 0.0,
         "ttft_p99": float(np.percentile(ttft, 99)) if len(ttft) else 0.0,

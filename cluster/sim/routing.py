@@ -33,6 +33,7 @@ def make_core(
         decode_step_per_request_s=profile.token_s,
         prefill_budget=profile.prefill_budget,
         max_running=profile.max_running,
+        host_load_tokens_per_s=1.0 / profile.host_load_token_s,
     )
     config = PolicyConfig(seed=seed, cost=cost)
     return RoutingCore(make_policy(policy, config), clock=clock, block_size=block_tokens)
@@ -49,6 +50,8 @@ def worker_stats(worker: SimWorker) -> WorkerStats:
         kv_free=max(0, free) * bt,
         kv_evictable=cache.evictable_size() * bt,
         kv_protected=cache.protected_size() * bt,
+        kv_host_total=worker.host_capacity_blocks * bt,
+        kv_host_free=(worker.host_capacity_blocks - cache.host_size()) * bt,
         running=len(worker.running) + len(worker.prefilling),
         waiting=len(worker.waiting),
         waiting_prefill_tokens=worker.queued_prefill_tokens(),

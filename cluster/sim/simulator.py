@@ -30,6 +30,7 @@ class SimConfig:
     """One simulation. `kv_tokens` is each worker's KV capacity (tokens; None: the profile's).
 
     event_delay_s: how late KV events and stats reach the router.
+    host_kv_tokens / host_policy: each worker's host tier (`RadixCache` host_allocator).
     stats_interval_s: how often each worker reports its stats.
     """
 
@@ -39,6 +40,8 @@ class SimConfig:
     event_delay_s: float = 0.05
     stats_interval_s: float = 0.5
     seed: int = 0
+    host_kv_tokens: int = 0  # host KV tier per worker (0: none)
+    host_policy: str = "write_through"
 
 
 @dataclass(slots=True)
@@ -49,6 +52,7 @@ class SimResult:
     ttft_s: list[float]
     e2e_s: list[float]
     cached_tokens: list[int]
+    host_tokens: list[int]
     prompt_tokens: list[int]
     output_tokens: list[int]
     worker_of: list[int]
@@ -75,7 +79,10 @@ class Simulator:
         kv_tokens = config.kv_tokens or profile.kv_tokens
         bt = workload.block_tokens
         self.workers = [
-            SimWorker(i, profile, max(1, kv_tokens // bt), bt) for i in range(config.workers)
+            SimWorker(i, profile, max(1, kv_tokens // bt), bt,
+                      host_capacity_blocks=config.host_kv_tokens // bt,
+                      host_policy=config.host_policy)
+            for i in range(config.workers)
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
         self.core = make_core(config.policy, lambda: self.now, config.seed, bt, profile)
@@ -158,6 +165,7 @@ class Simulator:
             ttft_s=[s.first_token_s - s.req.arrival_s for s in states],
             e2e_s=[s.finish_s - s.req.arrival_s for s in states],
             cached_tokens=[s.cached_tokens for s in states],
+            host_tokens=[s.host_tokens for s in states],
             prompt_tokens=[s.req.input_length for s in states],
             output_tokens=[s.req.output_length for s in states],
             worker_of=[s.worker for s in states],

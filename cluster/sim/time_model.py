@@ -19,6 +19,9 @@ more tokens or more context never make a step faster.
 - NVIDIA H100 SXM5 datasheet: 989 TFLOPS dense BF16 tensor core, 3.35 TB/s HBM3, 80 GB.
 - Assumed efficiencies (stated, not measured): 50% of peak FLOPs in GEMMs and attention,
   80% of peak bandwidth, 1 ms per-step launch/scheduling overhead, 90% of memory usable.
+- Host tier loads: PCIe Gen5 x16, 64 GB/s per direction (H100 SXM5 datasheet: 128 GB/s
+  bidirectional), at 80%: 2.56 us per token of KV (128 KiB). Loads are added to the step that
+  starts the request's prefill.
 That gives ~7 ms per decode step at batch 1 (~140 tokens/s for one stream) and ~27k prefill
 tokens/s for an 8k-token prompt, in line with public vLLM/SGLang figures for this pair.
 
@@ -47,6 +50,7 @@ class TimeProfile:
     kv_tokens: int = 427_000
     prefill_budget: int = 8192  # tokens per step (chunked prefill)
     max_running: int = 256
+    host_load_token_s: float = 2.56e-6  # host -> device copy of one token's KV
 
     def step_s(
         self, prefill_tokens: int, attended_pairs: float, decode_batch: int, decode_context: int
@@ -96,6 +100,7 @@ def h100_llama3_8b() -> TimeProfile:
         attn_pair_s=4 * layers * hidden / flops,  # QK^T and PV: 2 FLOPs per MAC each
         kv_read_s=kv_bytes_per_token / bandwidth,
         kv_tokens=int((memory - weight_bytes) / kv_bytes_per_token),
+        host_load_token_s=kv_bytes_per_token / (64e9 * 0.8),
     )
 
 

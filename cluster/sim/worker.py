@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from cluster.sim.time_model import TimeProfile, attended_pairs
 from cluster.sim.trace import SimRequest
+from mem_cache.allocator import KVAllocator
 from mem_cache.radix_cache import RadixCache
 
 
@@ -39,6 +40,8 @@ class RequestState:
     req: SimRequest
     worker: int = -1
     cached_tokens: int = 0
+    host_tokens: int = 0  # of the cached ones, loaded back from the host tier
+    load_s: float = 0.0  # host -> device copy still to pay in its first step
     prefilled: int = 0  # prompt tokens done (cached ones count as done)
     generated: int = 0
     node: object = None  # locked tree node
@@ -91,9 +94,13 @@ class SimWorker:
     served: int = 0
     max_run_steps: int | None = None  # cap on a decode run (a live fake worker streams each)
     cache_block_size: int = 1  # key elements per event block
+    host_capacity_blocks: int = 0  # host KV tier (0: none)
+    host_policy: str = "write_through"
 
     def __post_init__(self) -> None:
-        self.cache = RadixCache(None, page_size=1, block_size=self.cache_block_size)
+        host = KVAllocator(self.host_capacity_blocks) if self.host_capacity_blocks else None
+        self.cache = RadixCache(None, page_size=1, block_size=self.cache_block_size,
+                                host_allocator=host, write_policy=self.host_policy)
 
     @property
     def worker_id(self) -> str:
@@ -126,12 +133,33 @@ class SimWorker:
                 break
             self.waiting.pop(0)
             state.node, state.node_blocks = match.node, match.length
-            state.reserved = need
-            self.reserved += need
-            cached = cached_tokens(match.length, self.block_tokens, req.input_length)
+            host = self._load_back(state, match.host_length)
+            state.reserved = need - host
+            self.reserved += need - host
+            cached = cached_tokens(match.length + host, self.block_tokens, req.input_length)
             state.cached_tokens = state.prefilled = cached
+            state.host_tokens = cached - cached_tokens(match.length, self.block_tokens,
+                                                       req.input_length)
+            state.load_s = state.host_tokens * self.profile.host_load_token_s
             pending += req.input_length - cached
             self.prefilling.append(state)
+
+    def _load_back(self, state: RequestState, host_blocks: int) -> int:
+        """Bring the host-only part of the request's match back to device; returns its blocks.
+
+        Matched again first: the eviction that made room may have moved nodes to host. The
+        blocks come out of the room already made (they were counted in `need`)."""
+        if not host_blocks:
+            return 0
+        again = self.cache.match_prefix(state.req.blocks)
+        loaded = self.cache.load_back(again)
+        if loaded.length <= state.node_blocks:
+            return 0
+        self.cache.lock(loaded.node)
+        self.cache.unlock(state.node)
+        host = loaded.length - state.node_blocks
+        state.node, state.node_blocks = loaded.node, loaded.length
+        return host
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -152,17 +180,19 @@ class SimWorker:
         return -1.0
 
     def _begin_prefill_step(self, now: float) -> float:
-        budget, pairs = self.profile.prefill_budget, 0.0
+        budget, pairs, load_s = self.profile.prefill_budget, 0.0, 0.0
         for state in self.prefilling:
             if budget <= 0:
                 break
             n = min(budget, state.req.input_length - state.prefilled)
             pairs += attended_pairs(n, state.prefilled)
+            load_s, state.load_s = load_s + state.load_s, 0.0
             self.step_plan.append((state, n))
             budget -= n
         tokens = self.profile.prefill_budget - budget
         context = sum(r.context for r in self.running)
-        return self._busy(now, self.profile.step_s(tokens, pairs, len(self.running), context))
+        step = self.profile.step_s(tokens, pairs, len(self.running), context)
+        return self._busy(now, step + load_s)
 
     def _busy(self, now: float, seconds: float) -> float:
         self.busy_s += seconds

@@ -120,3 +120,19 @@ def test_cli_table_plot_and_bad_arguments(tmp_path, capsys):
     assert _cli(["--workload", "shared-prefix", "--policy", "nope", "--no-progress"]) == 2
     assert _cli(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
     assert "radixray simulate" in capsys.readouterr().err
+
+
+def test_host_tier_serves_evicted_prefixes():
+    workload = chat_workload(seed=6)
+    device = 30 * 128
+    plain = simulate(workload, SimConfig(workers=2, kv_tokens=device, policy="cost"), PROFILE)
+    config = SimConfig(workers=2, kv_tokens=device, policy="cost", host_kv_tokens=10 * device)
+    sim = Simulator(workload, config, PROFILE)
+    tiered = sim.run()
+    for w in sim.workers:
+        w.cache.check_integrity()
+        assert w.reserved == 0
+    s_plain, s_tiered = summarize(plain), summarize(tiered)
+    assert s_plain["host_hit_rate"] == 0
+    assert s_tiered["host_hit_rate"] > 0
+    assert s_tiered["hit_rate"] > s_plain["hit_rate"]
