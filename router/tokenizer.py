@@ -7,6 +7,7 @@ any tail that could still become a stop string, so a client never sees part of a
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ class Tokenizer:
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
             self.fast = None  # decode post-processing only transformers does
         self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocab entries
+        self.byte_table, self.special_ids = _byte_level_table(self) if self.fast else (None, set())
         limit = getattr(self.hf, "model_max_length", None)
         sane = isinstance(limit, int) and limit < 1 << 30  # HF uses a huge int for "unknown"
         self.model_max_length: int | None = limit if sane else None
@@ -102,19 +104,32 @@ class TextStream:
         self.held = ""  # decoded text not yet sent: it may begin a stop string
         self.stopped = False
         self.text = ""  # everything sent so far
+        # Byte-level BPE (GPT-2 style: Llama 3, Qwen, ...): a token is a fixed byte string,
+        # so text is an incremental UTF-8 decode of the bytes, exact and without re-decoding.
+        self.table = tokenizer.byte_table
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.table else None
 
     def push(self, ids: Sequence[int]) -> str:
         if self.stopped or not ids:
             return ""
+        if self.utf8 is not None:
+            return self._release(self.utf8.decode(self._bytes(ids)))
         self.ids.extend(ids)
         return self._release(self._decode_new())
+
+    def _bytes(self, ids: Sequence[int]) -> bytes:
+        table, size = self.table, len(self.table)
+        skip = self.tokenizer.special_ids if self.skip_special_tokens else ()
+        return b"".join(table[i] for i in ids if i < size and i not in skip)
 
     def finish(self) -> str:
         """Flush at end of generation: held text plus any trailing partial character."""
         if self.stopped:
             return ""
         tail = ""
-        if self.read_offset < len(self.ids):
+        if self.utf8 is not None:
+            tail = self.utf8.decode(b"", final=True)
+        elif self.read_offset < len(self.ids):
             before = self._decode(self.ids[self.prefix_offset : self.read_offset])
             tail = self._decode(self.ids[self.prefix_offset :])[len(before) :]
             self.read_offset = len(self.ids)
@@ -171,3 +186,44 @@ def _stop_prefix_len(text: str, stop: list[str]) -> int:
                 best = n
                 break
     return best
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _byte_level_table(tok: Tokenizer) -> tuple[list[bytes] | None, set[int]]:
+    """Each token's bytes when the tokenizer decodes byte-level (else None), and the special
+    ids. Checked against the tokenizer itself on every token that decodes alone."""
+    if type(tok.fast.decoder).__name__ != "ByteLevel":
+        return None, set()
+    alphabet = _byte_alphabet()
+    added = tok.hf.added_tokens_decoder
+    vocab = tok.fast.get_vocab(with_added_tokens=True)
+    table = [b""] * (max(vocab.values()) + 1)
+    for token, i in vocab.items():
+        if i in added:
+            table[i] = added[i].content.encode()
+        elif all(c in alphabet for c in token):
+            table[i] = bytes(alphabet[c] for c in token)
+        else:
+            return None, set()
+    special = {i for i, t in added.items() if t.special}
+    ids = list(range(len(table)))
+    texts = tok.fast.decode_batch([[i] for i in ids], skip_special_tokens=False)
+    for i, text in zip(ids, texts, strict=True):
+        try:
+            if table[i].decode() != text:
+                return None, set()
+        except UnicodeDecodeError:
+            continue  # part of a character: only whole sequences can be compared
+    return table, special

@@ -108,3 +108,25 @@ def test_fast_path_matches_transformers(tok, text):
     assert ids == tok.hf.encode(text, add_special_tokens=True)
     for skip in (True, False):
         assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=1023), max_size=30),
+    st.booleans(),
+    st.integers(min_value=1, max_value=3),
+)
+def test_byte_level_stream_equals_decoding_all_ids(tok, ids, skip, step):
+    """Any id sequence (special tokens, broken UTF-8 included) streams to the decoded text."""
+    assert tok.byte_table is not None  # the tiny model's tokenizer is byte-level BPE
+    stream = TextStream(tok, skip_special_tokens=skip)
+    pieces = [stream.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    assert "".join(pieces) + stream.finish() == tok.hf.decode(ids, skip_special_tokens=skip)
+
+
+def test_general_path_when_not_byte_level(tok, monkeypatch):
+    monkeypatch.setattr(tok, "byte_table", None)
+    text = "héllo 世界 🎉 stop here"
+    pieces, s = stream_all(tok, tok.encode(text), stop=["here"])
+    assert s.utf8 is None and s.stopped and "".join(pieces) == "héllo 世界 🎉 stop "
+    assert not any("\ufffd" in p for p in pieces)
