@@ -157,6 +157,8 @@ class RadixCache(HostTier):
         query = arr[:n].tobytes()
         node, pos, path = self._walk(query, namespace)
         self._touch(path)
+        if self.host_allocator is not None:
+            self._collect_writes()
         cached = pos if self.host_allocator is None else self._promote(path, values)
         if pos < n:
             path.append(self._add_leaf(node, query, arr, pos, n, values, namespace))

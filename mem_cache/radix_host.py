@@ -278,6 +278,7 @@ class HostTier:
     ) -> MatchResult:
         from mem_cache.radix_cache import MatchResult
 
+        self._collect_writes()
         on_device = 0
         while on_device < len(path) and not path[on_device].evicted:
             on_device += 1
