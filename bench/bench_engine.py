@@ -104,25 +104,37 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = {}
     for n in args.concurrency:
-        ours, hf_batch, hf_seq = [], [], []
+        ours, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], []
         for run in range(args.runs):
             prompts = [
                 random_prompt(args.prompt_len, 7_000 + 100 * run + i, vocab) for i in range(n)
             ]
-            ours.append(engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}"))
-            hf_batch.append(hf_throughput(hf, prompts, args.output_len))
-            hf_seq.append(hf_throughput(hf, prompts[:1], args.output_len))  # one at a time
-        o, b, s = (statistics.median(x) for x in (ours, hf_batch, hf_seq))
+            # measured back to back, so each run's ratios see about the same machine load
+            o = engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}")
+            b = hf_throughput(hf, prompts, args.output_len)
+            one = [hf_throughput(hf, [p], args.output_len) for p in prompts[:2]]  # one at a time
+            s = len(one) / sum(1 / x for x in one)
+            for values, x in (
+                (ours, o),
+                (hf_batch, b),
+                (hf_seq, s),
+                (vs_seq, o / s),
+                (vs_batch, o / b),
+            ):
+                values.append(x)
+        med = statistics.median
         results[n] = {
-            "engine_tok_s": o,
-            "hf_batched_tok_s": b,
-            "hf_sequential_tok_s": s,
-            "vs_hf_sequential": o / s,
-            "vs_hf_batched": o / b,
+            "engine_tok_s": med(ours),
+            "hf_batched_tok_s": med(hf_batch),
+            "hf_sequential_tok_s": med(hf_seq),
+            "vs_hf_sequential": med(vs_seq),
+            "vs_hf_batched": med(vs_batch),
         }
         print(
-            f"{n:>3} concurrent: engine {o:8.1f} tok/s   HF one-at-a-time {s:8.1f} tok/s "
-            f"({o / s:.2f}x)   HF static batch {b:8.1f} tok/s ({o / b:.2f}x)  runs {args.runs}",
+            f"{n:>3} concurrent: engine {med(ours):7.1f} tok/s | HF one at a time "
+            f"{med(hf_seq):7.1f} tok/s, engine/HF {med(vs_seq):.2f}x | HF static batch "
+            f"{med(hf_batch):7.1f} tok/s, engine/HF {med(vs_batch):.2f}x | runs {args.runs} "
+            "(ratios: median of per-run ratios)",
             flush=True,
         )
     return results
