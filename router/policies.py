@@ -13,11 +13,13 @@ draining and excluded workers, and handles session pins; a policy only chooses.
   this request's uncached ones) + active blocks (booked plus this request's).
 - `e2`: Preble's exploit/explore: if the best match covers more tokens than it leaves to compute,
   exploit it; else explore: least load + eviction cost + own prefill time.
-- `cost` (default): the least predicted time to first token (`router.cost_model`), plus a
-  share of the prefill work the choice adds (recomputing a prefix costs capacity). A cached
-  prefix is worth exactly the prefill time it saves, so locality yields to load gradually,
-  never by a hard switch; booked load makes a burst spread as soon as queueing behind the
-  cached worker costs more than recomputing the prefix elsewhere.
+- `cost` (default): the least predicted time to first token (`router.cost_model`: queued
+  prefill, waits for a running slot or KV room, own uncached prefill), plus a weight x the
+  prefill work the choice adds (recomputing a prefix costs later requests capacity; more so
+  under backlog) and a small weight x its decode time there. A cached prefix is worth the
+  prefill it saves, so locality yields to load gradually, never by a hard switch; load booked
+  at dispatch makes a burst spread once queueing behind the cached worker costs more than
+  recomputing the prefix elsewhere.
 
 Every `Decision` carries a reason for metrics: cache_hit, load_balance (a better match existed
 elsewhere), least_load, smallest_cache, exploit, explore, round_robin, random, power_of_two,
