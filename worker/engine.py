@@ -46,9 +46,23 @@ class EngineConfig:
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
 
+    def validate(self) -> None:
+        """ValueError naming the first knob out of range."""
+        positive = ("page_size", "block_size", "max_running", "prefill_budget", "aging_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("kv_tokens", "max_context"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (or None)")
+        if self.host_kv_tokens < 0 or not self.session_ttl_s > 0:
+            raise ValueError("host_kv_tokens must be >= 0 and session_ttl_s > 0")
+
 
 class Engine:
     def __init__(self, config: EngineConfig, worker_id: str = "worker-0") -> None:
+        config.validate()
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)

@@ -234,3 +234,11 @@ def test_stats_report_load_and_kv_accounting():
     s = engine.stats()
     assert s.prefill_tokens_per_s > 0 and s.decode_step_s > 0
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "bad", [{"page_size": 0}, {"prefill_budget": 0}, {"kv_tokens": 0}, {"host_kv_tokens": -1}]
+)
+def test_bad_engine_config_is_rejected(bad):
+    with pytest.raises(ValueError):
+        make(**bad)
