@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from mem_cache.allocator import KVAllocator
-from mem_cache.host_cache import HostKVPool, PoolCopier
-from mem_cache.kv_pool import KVPool, ReqToTokenPool
-from mem_cache.radix_cache import RadixCache
+from mem_cache.kv_pool import ReqToTokenPool
 from worker.kv_events import EventLog
-from worker.kv_memory import KVMemory
+from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 from worker.request import Request, Status
@@ -78,7 +76,15 @@ class Engine:
         self.runner.allocate_kv(kv_tokens)
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
-        radix = _make_cache(config, allocator, self.kv_pool) if config.enable_cache else None
+        radix = None
+        if config.enable_cache:
+            radix = make_radix_cache(
+                allocator,
+                self.kv_pool,
+                config.block_size,
+                config.host_kv_tokens,
+                config.host_policy,
+            )
         rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
         self.sessions = SessionTable()
         self.memory = KVMemory(allocator, radix, rows, self.sessions)
@@ -286,24 +292,3 @@ class Engine:
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:
     return new if old == 0.0 else (1 - weight) * old + weight * new
-
-
-def _make_cache(config: EngineConfig, allocator: KVAllocator, kv_pool: KVPool) -> RadixCache:
-    """The radix cache, with a host tier of `host_kv_tokens` slots when that is > 0. A host
-    hit shorter than one block is recomputed rather than loaded back."""
-    page = config.page_size
-    host_tokens = config.host_kv_tokens // page * page
-    if host_tokens <= 0:
-        return RadixCache(allocator, page, config.block_size)
-    host_pool = HostKVPool(
-        host_tokens, kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
-    )
-    return RadixCache(
-        allocator,
-        page,
-        config.block_size,
-        host_allocator=KVAllocator(host_tokens, page),
-        write_policy=config.host_policy,
-        copier=PoolCopier(kv_pool, host_pool),
-        load_back_min=config.block_size,
-    )

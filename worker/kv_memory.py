@@ -20,7 +20,8 @@ import time
 import torch
 
 from mem_cache.allocator import KVAllocator
-from mem_cache.kv_pool import ReqToTokenPool
+from mem_cache.host_cache import HostKVPool, PoolCopier
+from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.request import Request, common_prefix_len
 from worker.sessions import ParkedSession, SessionTable
@@ -253,3 +254,31 @@ class KVMemory:
             f"slot conservation: free {free} + tree {tree} + request tails {tails} + "
             f"sessions {owned} != {self.allocator.size}"
         )
+
+
+def make_radix_cache(
+    allocator: KVAllocator,
+    kv_pool: KVPool,
+    block_size: int,
+    host_kv_tokens: int = 0,
+    host_policy: str = "write_through",
+) -> RadixCache:
+    """The radix cache over `allocator`, with a host tier of `host_kv_tokens` slots when that
+    is > 0 (ValueError for an unknown `host_policy`). A host hit shorter than one block is
+    recomputed rather than loaded back."""
+    page = allocator.page_size
+    host_tokens = host_kv_tokens // page * page
+    if host_tokens <= 0:
+        return RadixCache(allocator, page, block_size)
+    host_pool = HostKVPool(
+        host_tokens, kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
+    )
+    return RadixCache(
+        allocator,
+        page,
+        block_size,
+        host_allocator=KVAllocator(host_tokens, page),
+        write_policy=host_policy,
+        copier=PoolCopier(kv_pool, host_pool),
+        load_back_min=block_size,
+    )
