@@ -197,6 +197,7 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
 
     @app.get("/v1/models")
     async def models() -> Response:
+        await router.start()  # the context length comes from the workers
         card = {
             "id": router.config.model,
             "object": "model",
@@ -272,6 +273,7 @@ async def _sse(
 def _add_admin_routes(app: FastAPI, router: Router) -> None:
     @app.get("/v1/workers")
     async def workers() -> Response:
+        await router.start()
         return _json({"object": "list", "data": router.workers_json()})
 
     async def add(request: Request) -> Response:
