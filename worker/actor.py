@@ -83,7 +83,11 @@ class WorkerActor:
 
     async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
         """Encoded event batches with seq > after_seq of `epoch`; [snapshot] when the epoch
-        differs or they are no longer buffered (the snapshot starts with AllCleared)."""
+        differs or they are no longer buffered (the snapshot starts with AllCleared). Buffered
+        batches are answered at once; only a snapshot waits for the engine thread."""
+        batches = self.engine.events.since(epoch, after_seq)
+        if batches is not None:
+            return batches
         return await self._call(lambda: self.engine.events_since(epoch, after_seq))
 
     async def close_session(self, session_id: str) -> bool:
@@ -130,6 +134,7 @@ class WorkerActor:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
                     future.set_exception(exc)
+            self.engine.take_event_batch()  # calls (close_session...) may have changed the cache
             if self.engine.has_work():
                 try:
                     self._deliver(self.engine.step())
@@ -137,7 +142,8 @@ class WorkerActor:
                     self._fail(exc)
                     return
             else:
-                self.engine.expire_sessions()
+                if self.engine.expire_sessions():
+                    self.engine.take_event_batch()
                 self._wake.wait(_IDLE_WAIT_S)
             self._stats = self.engine.stats()
 
