@@ -11,7 +11,7 @@ import json
 import shlex
 import signal
 import sys
-import threading
+import time
 from collections.abc import Sequence
 
 from cluster.admin import add_workers_args, run_workers
@@ -85,28 +85,37 @@ def curl_line(config: ClusterConfig) -> str:
             f"-d {shlex.quote(json.dumps(body))}")
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _on_stop_signals(handler: object) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Run the cluster until Ctrl-C or SIGTERM; clean up whatever happens."""
+    """Run the cluster until Ctrl-C or SIGTERM (even while workers load); always clean up."""
     from cluster.launcher import Launcher  # Ray and torch load only for `serve`
 
     config = ClusterConfig.from_args(args)
     launcher = Launcher(config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    _on_stop_signals(_interrupt)  # SIGTERM (docker stop, k8s) acts like Ctrl-C
     try:
         launcher.start()
+        _on_stop_signals(_interrupt)  # ray.init replaced the SIGTERM handler with its own
         print(f"\nradixray is serving {config.model} at {config.url()} "
               f"(OpenAI API, policy {config.policy}). Try:\n\n  {curl_line(config)}\n\n"
               "Press Ctrl-C to stop.", flush=True)
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: Ray's SIGTERM handler during start
         pass
     except Exception as exc:
         print(f"radixray: {exc}", file=sys.stderr)
         return 1
     finally:
+        _on_stop_signals(signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
         print("radixray: shutting down...", file=sys.stderr, flush=True)
         launcher.stop()
     return 0

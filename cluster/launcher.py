@@ -176,6 +176,7 @@ class _Progress:
 def _check_port(host: str, port: int) -> None:
     """Fail before loading any model when the router's port is taken."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             sock.bind((host, port))
         except OSError as exc:

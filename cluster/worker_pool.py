@@ -111,8 +111,6 @@ class WorkerPool:
         if self.link:
             self.link.detach(worker_id)
         ray.kill(worker.actor, no_restart=True)
-        # The bundle is only free once the actor's process is gone; give Ray a moment.
-        await asyncio.sleep(0.2)
         self.placement.release(worker.slot)
 
     def describe(self) -> list[dict]:

@@ -151,7 +151,7 @@ def test_radixray_serve_answers_its_curl_line_and_stops_cleanly(helpers):
         ray_processes = _descendants(proc.pid)  # GCS, raylet, workers of its local Ray
         assert len(ray_processes) >= 3
     finally:
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        proc.send_signal(signal.SIGTERM)  # what docker stop and Kubernetes send; Ctrl-C alike
         code = proc.wait(60)
     assert code == 0, "".join(lines)
     helpers.wait_for(lambda: not _alive(ray_processes), 30, "its Ray processes to exit")

@@ -84,13 +84,15 @@ def test_worker_killed_under_streaming_load(cluster, helpers):
 
     def one(i: int) -> str:
         raw = client.completions.with_raw_response.create(
-            model="tiny", prompt=f"fresh prompt {i} " * 40, max_tokens=4)
+            model="tiny", prompt=f"fresh prompt {i} " * 100, max_tokens=4)
         return raw.headers["x-radixray-worker"]
 
+    # The restarted worker has no measured speed yet and an empty cache, so the cost policy
+    # sends it work once the other worker's queue is long enough: bursts of distinct prompts.
     served: set[str] = set()
-    with cf.ThreadPoolExecutor(4) as threads:
-        for burst in range(3):  # bursts of distinct prompts spread over the workers
-            served.update(threads.map(one, range(burst * 4, burst * 4 + 4)))
+    with cf.ThreadPoolExecutor(8) as threads:
+        for burst in range(5):
+            served.update(threads.map(one, range(burst * 8, burst * 8 + 8)))
             if victim in served:
                 break
     assert victim in served
