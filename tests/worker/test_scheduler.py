@@ -164,3 +164,43 @@ def test_requests_sharing_an_uncached_prefix_compute_it_once():
     # one prefill of the shared part, the four tails, two decode steps each
     assert engine.num_computed_tokens == 100 + 4 * 5 + 4 * 2
     assert_idle_clean(engine)
+
+
+@pytest.mark.parametrize(("seed", "page_size", "host"), [(1, 1, 0), (2, 4, 0), (3, 2, 512)])
+def test_random_operations_never_leak(seed, page_size, host):
+    """Random arrivals (shared prefixes, session turns, resumes), aborts, session closes and
+    steps on a tight pool: integrity after every step, conservation once idle."""
+    rng = random.Random(seed)
+    engine = make(
+        kv_tokens=192, page_size=page_size, prefill_budget=24, max_running=5, host_kv_tokens=host
+    )
+    base = prompt(64, seed)
+    history: dict[str, list[int]] = {}
+    for i in range(60):
+        op = rng.random()
+        if op < 0.35:
+            sid = rng.choice([None, None, "s1", "s2"])
+            ids = (
+                history.get(sid, []) + base[: rng.randrange(1, 40)]
+                if sid
+                else base[: rng.randrange(0, 48)] + prompt(rng.randrange(1, 20), 1000 + i)
+            )
+            ids = ids[-100:]
+            sp = greedy(rng.randrange(1, 12))
+            resume = prompt(rng.randrange(1, sp.max_tokens), i) if rng.random() < 0.1 else []
+            if len(resume) >= sp.max_tokens:
+                resume = []
+            engine.add_request(GenerateRequest(f"q{i}", ids, sp, session_id=sid, resume_ids=resume))
+            if sid:
+                history[sid] = ids
+        elif op < 0.45:
+            engine.abort(f"q{rng.randrange(0, i + 1)}")
+        elif op < 0.5:
+            engine.close_session(rng.choice(["s1", "s2"]))
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+            engine.check_integrity()
+    run_to_completion(engine, after_step=checked)
+    engine.close_session("s1")
+    engine.close_session("s2")
+    assert_idle_clean(engine)
