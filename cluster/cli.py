@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from cluster.admin import add_workers_args, run_workers
 from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig
+from router.policies import POLICY_NAMES
 
 EPILOG = """examples:
   radixray serve                                  # laptop: local Ray, tiny model, 2 CPU workers
@@ -31,48 +32,51 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags; their names are the `ClusterConfig` fields (k8s manifests use them)."""
     d = ClusterConfig.__dataclass_fields__
     model = parser.add_argument_group("model and workers")
-    model.add_argument("--model", default=d["model"].default,
+    model.add_argument("--model", default=d["model"].default, metavar="NAME|DIR",
                        help="built-in model (tiny, small) or an HF model directory present on "
                        "every node (default: %(default)s)")
-    model.add_argument("--workers", type=int, default=None,
+    model.add_argument("--workers", type=int, default=None, metavar="N",
                        help="number of workers (default: one per --gpus-per-worker GPUs on a "
                        "GPU cluster, else 2 CPU workers)")
     model.add_argument("--gpus-per-worker", type=float, default=d["gpus_per_worker"].default,
+                       metavar="G",
                        help="GPUs reserved per worker on GPU clusters (default: %(default)s)")
     model.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"].default,
+                       metavar="C",
                        help="CPUs reserved per worker (default: %(default)s)")
     model.add_argument("--device", choices=DEVICES, default=d["device"].default,
                        help="auto: cuda when the Ray cluster has GPUs, else cpu "
                        "(default: %(default)s)")
-    model.add_argument("--dtype", default=None,
-                       help="float32, bfloat16 or float16 (default: the model's own)")
-    model.add_argument("--attention", default=d["attention"].default,
+    model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                       help="weights and KV precision (default: the checkpoint's)")
+    model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
                        help="attention backend: torch, triton, flashinfer (default: %(default)s)")
     kv = parser.add_argument_group("KV cache (per worker)")
-    kv.add_argument("--kv-tokens", type=int, default=None,
+    kv.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                     help="KV slots per worker (default: sized from free memory)")
-    kv.add_argument("--page-size", type=int, default=d["page_size"].default,
+    kv.add_argument("--page-size", type=int, default=d["page_size"].default, metavar="N",
                     help="tokens per KV page (default: %(default)s)")
     kv.add_argument("--host-kv-tokens", type=int, default=d["host_kv_tokens"].default,
+                    metavar="N",
                     help="host-memory KV tier in tokens, 0 for none (default: %(default)s)")
-    kv.add_argument("--host-policy", default=d["host_policy"].default,
+    kv.add_argument("--host-policy", default=d["host_policy"].default, metavar="NAME",
                     help="host tier policy: write_through or write_back (default: %(default)s)")
     router = parser.add_argument_group("router")
-    router.add_argument("--host", default=d["host"].default,
+    router.add_argument("--host", default=d["host"].default, metavar="ADDR",
                         help="address the router listens on (default: %(default)s)")
-    router.add_argument("--port", type=int, default=d["port"].default,
+    router.add_argument("--port", type=int, default=d["port"].default, metavar="PORT",
                         help="router port (default: %(default)s)")
-    router.add_argument("--policy", default=d["policy"].default,
-                        help="routing policy: cost, cache_aware, kv_cost, e2, round_robin, random, "
-                        "power_of_two, least_load (default: %(default)s)")
-    router.add_argument("--api-key", default=None,
+    router.add_argument("--policy", default=d["policy"].default, choices=POLICY_NAMES,
+                        metavar="NAME", help="routing policy: " + ", ".join(POLICY_NAMES)
+                        + " (default: %(default)s)")
+    router.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                         f"(default: ${API_KEY_ENV})")
     ray_group = parser.add_argument_group("Ray")
-    ray_group.add_argument("--address", default=None,
+    ray_group.add_argument("--address", default=None, metavar="ADDR",
                            help="join this Ray cluster ('auto' on a node started with "
                            "`ray start`); default: start a local Ray")
-    ray_group.add_argument("--num-cpus", type=int, default=None,
+    ray_group.add_argument("--num-cpus", type=int, default=None, metavar="N",
                            help="CPUs of the local Ray (default: all)")
 
 
