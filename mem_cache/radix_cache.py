@@ -22,7 +22,8 @@ and reports nothing.
 from __future__ import annotations
 
 import heapq
-from typing import NamedTuple
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,16 +48,21 @@ from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, make_root
 from mem_cache.radix_tree import RadixTree
 
 
-class MatchResult(NamedTuple):
+@dataclass(frozen=True, slots=True, eq=False)
+class MatchResult:
     """A prefix match. `indices` are the slots of the first `length` tokens (a fresh tensor;
     only safe to use while `node` is locked); `node` is where the match ended (the root on a
-    miss); `host_length` counts tokens past `length` that only the host tier holds."""
+    miss); `host_length` counts tokens past `length` that only the host tier holds, ending at
+    `host_node`. Unpacks as `indices, node, length` (the fields DESIGN.md names)."""
 
     indices: torch.Tensor
     node: TreeNode
     length: int
     host_length: int = 0
-    host_node: TreeNode | None = None  # where the host-only part ends (for load_back)
+    host_node: TreeNode | None = None
+
+    def __iter__(self) -> Iterator[object]:
+        return iter((self.indices, self.node, self.length))
 
 
 class RadixCache(RadixTree, HostTier, HostLoad):
