@@ -90,7 +90,8 @@ class Router:
         """Adds the initial backends and starts polling; safe to call many times."""
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._start())
-        await asyncio.shield(self._started)
+        if not self._started.done():  # every request calls this: stay cheap once started
+            await asyncio.shield(self._started)
 
     async def _start(self) -> None:
         await self.workers.join(self._initial)

@@ -80,12 +80,21 @@ def test_app_over_ray_workers_reports_real_cache_hits(actors):
     with LiveServer(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "tell me about prefix caches " * 4}]
-        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
-        time.sleep(0.3)  # the router pulls the worker's KV events
+        cursors = app.state.router.workers.cursors
+        before = {w: cursors.get(w, (-1, -1))[1] for w in ("ray0", "ray1")}
+        raw_first = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=4
+        )
+        first, served = raw_first.parse(), raw_first.headers["x-radixray-worker"]
+        deadline = time.monotonic() + 20
+        while cursors.get(served, (-1, -1))[1] <= before[served]:  # the router pulls events
+            assert time.monotonic() < deadline, "no KV events from the worker"
+            time.sleep(0.02)
         raw = client.chat.completions.with_raw_response.create(
             model="tiny", messages=messages, max_tokens=4
         )
         second = raw.parse()
+        assert raw.headers["x-radixray-worker"] == served
         assert first.usage.completion_tokens == 4
         assert second.usage.prompt_tokens_details.cached_tokens >= 32
         assert app.state.router.core.index_blocks() > 0
