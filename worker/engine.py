@@ -234,7 +234,10 @@ class Engine:
         router's cost model wants it) and of the time of a decode-only step."""
         if prefill_tokens:
             net = max(seconds - self._decode_step_s, 0.5 * seconds)
-            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(net, 1e-9))
+            # A step of a few prefill tokens (a cache hit) is mostly fixed overhead: weight
+            # samples by size so such steps cannot drag the measured speed down.
+            weight = 0.2 * min(1.0, prefill_tokens / 256)
+            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(net, 1e-9), weight)
         else:
             self._decode_step_s = _ema(self._decode_step_s, seconds)
 
