@@ -242,3 +242,15 @@ def test_stats_report_load_and_kv_accounting():
 def test_bad_engine_config_is_rejected(bad):
     with pytest.raises(ValueError):
         make(**bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_engine_cache_and_chunking_do_not_change_greedy_output(page_size):
+    ps = prompts(4, 70, shared=40)
+    plain = run(make(device="cuda", enable_cache=False, prefill_budget=8192), ps, greedy())
+    engine = make(device="cuda", page_size=page_size, prefill_budget=16, host_kv_tokens=4096)
+    for tag in ("a", "b"):
+        out = run(engine, ps, greedy(), tag)
+        assert [o.token_ids for o in out] == [o.token_ids for o in plain]
