@@ -154,6 +154,9 @@ class Engine:
     # --- stepping ------------------------------------------------------------------------------
 
     def step(self) -> list[TokenChunk]:
+        """One scheduler step: a chunk for every request that got a token or finished (a
+        request part-way through a chunked prefill gets none), plus pending abort chunks.
+        Checks integrity whenever the engine goes idle."""
         chunks, self._pending = self._pending, []
         self.expire_sessions()
         batch = self.scheduler.schedule()
