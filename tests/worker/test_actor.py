@@ -142,3 +142,15 @@ def test_sessions_park_and_close(actor):
     assert ray.get(actor.close_session.remote("sess")) is False
     wait_idle(actor)
     assert ray.get(actor.stats.remote()).kv_session == 0
+
+
+def test_merge_chunks_joins_tokens_and_logprobs_in_order():
+    from worker.actor import merge_chunks
+
+    a = TokenChunk("m", [1, 2], None, 5, 3, [-0.1, -0.2], [[(1, -0.1)], [(2, -0.2)]])
+    b = TokenChunk("m", [3], "stop", 5, 3, [-0.3], [[(3, -0.3)]])
+    merged = merge_chunks([a, b])
+    assert merged.token_ids == [1, 2, 3] and merged.finish_reason == "stop"
+    assert merged.logprobs == [-0.1, -0.2, -0.3] and len(merged.top_logprobs) == 3
+    assert (merged.prompt_tokens, merged.cached_tokens) == (5, 3)
+    assert merge_chunks([a]) is a
