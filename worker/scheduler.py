@@ -34,6 +34,7 @@ class SchedulerConfig:
     aging_steps: int = 32  # a request waiting this many steps is admitted oldest-first
     order_limit: int = 256  # beyond this queue length, waiting order is plain arrival order
     defer_shared: int = 32  # defer a request sharing this many uncached tokens with a prefill
+    hint_every: int = 8  # refresh a waiting request's cached-prefix estimate every N steps
 
 
 @dataclass
@@ -165,7 +166,10 @@ class Scheduler:
         fresh = [r for r in self.waiting if r.waited_steps < self.config.aging_steps]
         aged.sort(key=lambda r: r.arrival)
         for req in fresh:
-            req.cached_hint = self._cached_len(req)
+            # a look-ahead match counts as a use of the cache (recency, selective write-through
+            # hits): refresh the estimate now and then, not every step
+            if req.waited_steps % self.config.hint_every == 0:
+                req.cached_hint = self._cached_len(req)
         fresh.sort(key=lambda r: (-r.cached_hint, r.arrival))
         return aged + fresh
 
