@@ -8,8 +8,10 @@ prefix hit of its cache. Output tokens are dummies. Routers can thus be compared
 machine: ours (`HttpBackend`) and `sglang-router`, in front of the same workers.
 
 For `sglang-router` it also serves what that router calls on a worker: `/health`,
-`/health_generate`, `/get_server_info`, `/get_model_info`, `/get_load`, `/flush_cache`, and
-`/v1/models` for ours. Every response names the worker in header `X-Radixray-Worker` and in
+`/health_generate`, `/get_server_info`, `/get_model_info`, `/get_load`, `/flush_cache` (and
+the unprefixed `/server_info`, `/model_info`), and `/v1/models` for ours. sglang-router 0.3.2
+was seen calling `/get_server_info`, `/server_info` and `/model_info` when a worker registers,
+then `/health` periodically. Every response names the worker in header `X-Radixray-Worker` and in
 `system_fingerprint`. Unknown paths get 404 and are counted in `/get_server_info`.
 
 Prompts given as token ids are used as they are; text goes through `--tokenizer` (a built-in
