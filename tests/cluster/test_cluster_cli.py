@@ -148,6 +148,7 @@ def test_radixray_serve_answers_its_curl_line_and_stops_cleanly(helpers):
         answer = client.chat.completions.create(**body)
         print(f"radixray serve -> first answer: {time.monotonic() - t0:.1f}s")
         assert answer.choices[0].finish_reason in ("stop", "length")
+        helpers.assert_idle_accounting(f"http://127.0.0.1:{port}")
         ray_processes = _descendants(proc.pid)  # GCS, raylet, workers of its local Ray
         assert len(ray_processes) >= 3
     finally:
