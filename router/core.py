@@ -86,12 +86,14 @@ class RoutingCore:
             self.index.add_worker(worker_id)
         if stats is not None:
             self._views[worker_id].stats = stats
+        self._observe_fleet()
 
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker: its index entries, bookings and session pins. Returns the ids of the
         requests that were booked on it (to fail over). Unknown ids return []."""
         if self._views.pop(worker_id, None) is None:
             return []
+        self._observe_fleet()
         self.index.remove_worker(worker_id)
         self.sessions.drop_worker(worker_id)
         return [b.request_id for b in self.ledger.drop_worker(worker_id)]
@@ -107,6 +109,10 @@ class RoutingCore:
         view = self._views.get(stats.worker_id)
         if view is not None:
             view.stats = stats
+            self._observe_fleet()
+
+    def _observe_fleet(self) -> None:
+        self.cost_model.observe_fleet(view.stats for view in self._views.values())
 
     def workers(self) -> list[WorkerView]:
         """A copy of every worker's view with its current booked load (match fields zero)."""

@@ -24,9 +24,12 @@ waiting prefill of the requests it did not book (other routers').
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from statistics import median
 from typing import TYPE_CHECKING, NamedTuple
+
+from worker.protocol import WorkerStats
 
 if TYPE_CHECKING:
     from router.policies import RouteRequest, WorkerView
@@ -45,6 +48,9 @@ class CostConfig:
     # costs as much as the rest (~ 6 x hidden size; 30k for Llama 3 8B: 2 x 32 layers x 4096
     # x context FLOPs of attention vs 2 x 8e9 of weights per token); 0: linear prefill
     attention_knee_tokens: float = 30_000.0
+    # measured speeds within this fraction of the fleet's median count as the median: workers
+    # of one deployment differ by measurement noise, which must not decide where prefixes go
+    speed_noise: float = 0.25
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     compute_weight: float = 5.0  # `scores`: seconds of score per second of prefill it adds
     backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
@@ -73,6 +79,21 @@ class CostModel:
 
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
+        # what a worker that has not measured itself yet is assumed to do: its peers' median
+        # (workers of one deployment run the same model on the same hardware), else the prior.
+        # A fixed prior alone would make a fresh worker look faster or slower than its measured
+        # twins, and `cost` would pile every new prefix onto one of them.
+        self.fleet_prefill_tokens_per_s = self.config.prefill_tokens_per_s
+        self.fleet_decode_step_s = self.config.decode_step_s
+
+    def observe_fleet(self, stats: Iterable[WorkerStats | None]) -> None:
+        """Re-derive the assumed speeds of unmeasured workers from the measured ones."""
+        measured = [s for s in stats if s is not None]
+        speeds = [s.prefill_tokens_per_s for s in measured if s.prefill_tokens_per_s > 0]
+        steps = [s.decode_step_s for s in measured if s.decode_step_s > 0]
+        cfg = self.config
+        self.fleet_prefill_tokens_per_s = median(speeds) if speeds else cfg.prefill_tokens_per_s
+        self.fleet_decode_step_s = median(steps) if steps else cfg.decode_step_s
 
     def speeds(self, view: WorkerView) -> Speeds:
         """Measured speeds where the worker reported them, priors otherwise.
@@ -127,21 +148,25 @@ class CostModel:
 
     def _speeds(self, view: WorkerView) -> tuple[int, float, float, float]:
         cfg, stats, booked = self.config, view.stats, view.requests
-        speed, per_request = cfg.prefill_tokens_per_s, cfg.decode_step_per_request_s
+        speed, per_request = self.fleet_prefill_tokens_per_s, cfg.decode_step_per_request_s
         if stats is None:
             load = booked
-            step = cfg.decode_step_s + per_request * load
+            step = self.fleet_decode_step_s + per_request * load
         else:
             reported = stats.running + stats.waiting
             load = booked if booked > reported else reported
             if stats.prefill_tokens_per_s > 0:
-                speed = stats.prefill_tokens_per_s
+                speed = self._denoise(stats.prefill_tokens_per_s, speed)
             if stats.decode_step_s > 0:
-                step = stats.decode_step_s + per_request * max(0, booked - reported)
+                measured = self._denoise(stats.decode_step_s, self.fleet_decode_step_s)
+                step = measured + per_request * max(0, booked - reported)
             else:
-                step = cfg.decode_step_s + per_request * load
+                step = self.fleet_decode_step_s + per_request * load
         effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
         return load, speed, effective, step
+
+    def _denoise(self, measured: float, fleet: float) -> float:
+        return fleet if abs(measured - fleet) <= self.config.speed_noise * fleet else measured
 
     def _estimate(
         self, request: RouteRequest, view: WorkerView

@@ -1,0 +1,46 @@
+"""`cost` must not let one worker's measured speed, against a fresh worker's prior or a twin's
+measurement noise, decide where new prefixes go.
+
+The bug: on CPU a measured worker (faster than the H100-class prior) looked faster than a fresh
+one, so every new prefix of a sequential workload piled onto it and the other worker idled.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from mem_cache.events import block_hashes
+from router.core import RoutingCore
+from worker.protocol import WorkerStats
+
+
+def route_distinct_prefixes(core: RoutingCore, n: int) -> Counter[str]:
+    """Sequential requests on n unrelated 512-token prompts; each finishes before the next."""
+    chosen: Counter[str] = Counter()
+    for i in range(n):
+        prompt = [1000 * (i + 1) + t for t in range(512)]
+        decision = core.route(f"r{i}", block_hashes(prompt), len(prompt), 16)
+        core.finish(f"r{i}", cached_tokens=0)
+        chosen[decision.worker_id] += 1
+    return chosen
+
+
+def test_a_fresh_worker_is_assumed_as_fast_as_its_measured_peers() -> None:
+    core = RoutingCore("cost")
+    core.add_worker("w0", WorkerStats("w0", prefill_tokens_per_s=60_000.0, decode_step_s=0.002))
+    core.add_worker("w1")  # not measured yet
+    assert route_distinct_prefixes(core, 8) == Counter({"w0": 4, "w1": 4})
+
+
+def test_measurement_noise_between_twins_does_not_decide_placement() -> None:
+    core = RoutingCore("cost")
+    core.add_worker("w0", WorkerStats("w0", prefill_tokens_per_s=20_000.0, decode_step_s=0.010))
+    core.add_worker("w1", WorkerStats("w1", prefill_tokens_per_s=22_000.0, decode_step_s=0.011))
+    assert route_distinct_prefixes(core, 8) == Counter({"w0": 4, "w1": 4})
+
+
+def test_a_really_faster_worker_still_wins_new_prefixes() -> None:
+    core = RoutingCore("cost")
+    core.add_worker("w0", WorkerStats("w0", prefill_tokens_per_s=5_000.0, decode_step_s=0.010))
+    core.add_worker("w1", WorkerStats("w1", prefill_tokens_per_s=15_000.0, decode_step_s=0.010))
+    assert route_distinct_prefixes(core, 6) == Counter({"w1": 6})
