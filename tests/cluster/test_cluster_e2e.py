@@ -164,3 +164,12 @@ def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
     # The same requests still work on the remaining two.
     _, worker = chat(client, "still serving?")
     assert worker in ("worker-0", "worker-1")
+
+    # Removing a worker of the initial placement group frees its bundle for the next one added.
+    groups = list(cluster.pool.placement._groups)
+    assert cli_main(["workers", "remove", "worker-1", "--url", url]) == 0
+    assert cli_main(["workers", "add", "--url", url]) == 0
+    [newest] = [w for w in cluster.pool.workers.values() if w.worker_id != "worker-0"]
+    assert not newest.slot.owned and cluster.pool.placement._groups == groups
+    _, worker = chat(client, "served by the replacement too?")
+    assert worker in cluster.pool.workers
