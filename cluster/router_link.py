@@ -20,10 +20,12 @@ from collections.abc import Sequence
 from fastapi import FastAPI
 
 from cluster.config import ClusterConfig
+from cluster.placement import PlacementError
 from cluster.worker_pool import WorkerPool
 from router.app import create_app
 from router.backends import RayBackend
 from router.config import RouterConfig
+from router.errors import APIError
 
 
 class PoolControl:
@@ -33,8 +35,14 @@ class PoolControl:
         self.pool = pool
 
     async def add_worker(self) -> RayBackend:
-        """Start one worker; returns once its model is loaded (the router then registers it)."""
-        [worker_id] = await self.pool.add(1)
+        """Start one worker; returns once its model is loaded (the router then registers it).
+
+        No room on the cluster, or a worker that fails to load: 503 with the reason."""
+        try:
+            [worker_id] = await self.pool.add(1)
+        except (PlacementError, RuntimeError) as exc:
+            reason = f"could not add a worker: {exc}"
+            raise APIError(503, reason, code="worker_unavailable") from exc
         return RayBackend(worker_id, self.pool.workers[worker_id].actor)
 
     async def remove_worker(self, worker_id: str) -> None:

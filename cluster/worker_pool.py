@@ -55,7 +55,6 @@ class Worker:
     state: str = "loading"
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
-    info: dict = field(default_factory=dict)
 
 
 def engine_config(config: ClusterConfig, device: str) -> EngineConfig:
@@ -94,11 +93,20 @@ class WorkerPool:
         await self._wait_ready(workers, progress)
 
     async def add(self, count: int = 1) -> list[str]:
-        """Start `count` more workers and wait for their models; returns their ids."""
-        workers = []
-        for _ in range(count):
-            workers.append(self._create(await self.placement.acquire(self.config.ready_timeout_s)))
-        await self._wait_ready(workers, None)
+        """Start `count` more workers and wait for their models; returns their ids.
+
+        On failure (no room for a bundle, a model that does not load) the workers of this call
+        are removed again, so nothing stays reserved, and the error is raised."""
+        workers: list[Worker] = []
+        try:
+            for _ in range(count):
+                slot = await self.placement.acquire(self.config.ready_timeout_s)
+                workers.append(self._create(slot))
+            await self._wait_ready(workers, None)
+        except BaseException:
+            for worker in workers:
+                await self.remove(worker.worker_id)
+            raise
         return [w.worker_id for w in workers]
 
     async def remove(self, worker_id: str) -> None:
@@ -112,19 +120,6 @@ class WorkerPool:
             self.link.detach(worker_id)
         ray.kill(worker.actor, no_restart=True)
         self.placement.release(worker.slot)
-
-    def describe(self) -> list[dict]:
-        """Per worker: id, state, restarts, seconds since (re)start."""
-        now = time.monotonic()
-        return [
-            {
-                "worker_id": w.worker_id,
-                "state": w.state,
-                "restarts": w.restarts,
-                "uptime_s": round(now - w.started, 1),
-            }
-            for w in self.workers.values()
-        ]
 
     async def watch(self) -> None:
         """Forever: ping every worker; a dead one is reported to the router at once."""
@@ -143,7 +138,7 @@ class WorkerPool:
         worker_id = f"worker-{self._next_index}"
         self._next_index += 1
         resources = slot.group.bundle_specs[slot.bundle_index]
-        actor = _actor_class().options(
+        actor = WorkerActor.options(
             name=f"radixray-{self.pool_id}-{worker_id}",
             namespace=self.config.namespace,
             num_cpus=resources.get("CPU", 0),
@@ -161,9 +156,7 @@ class WorkerPool:
     ) -> None:
         async def one(worker: Worker) -> None:
             try:
-                worker.info = await asyncio.wait_for(
-                    worker.actor.ready.remote(), self.config.ready_timeout_s
-                )
+                await asyncio.wait_for(worker.actor.ready.remote(), self.config.ready_timeout_s)
             except Exception as exc:
                 raise RuntimeError(f"{worker.worker_id} failed to load its model: {exc}") from exc
             worker.state = "ready"
@@ -194,7 +187,3 @@ class WorkerPool:
             worker.state = "ready"
             worker.started = time.monotonic()
 
-
-def _actor_class() -> Any:
-    """`WorkerActor` as a Ray actor class, whether or not the module already decorated it."""
-    return WorkerActor if hasattr(WorkerActor, "options") else ray.remote(WorkerActor)

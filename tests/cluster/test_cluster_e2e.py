@@ -173,3 +173,12 @@ def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
     assert not newest.slot.owned and cluster.pool.placement._groups == groups
     _, worker = chat(client, "served by the replacement too?")
     assert worker in cluster.pool.workers
+
+
+def test_a_worker_that_cannot_load_is_refused_and_leaves_nothing(client, cluster, capsys,
+                                                                  monkeypatch):
+    before = (sorted(cluster.pool.workers), list(cluster.pool.placement._groups))
+    monkeypatch.setattr(cluster.pool.engine, "model", "/nonexistent/model")
+    assert cli_main(["workers", "add", "--url", cluster.url]) == 1
+    assert "503" in capsys.readouterr().err
+    assert (sorted(cluster.pool.workers), list(cluster.pool.placement._groups)) == before
