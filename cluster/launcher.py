@@ -57,24 +57,25 @@ class Launcher:
         return self.config.url()
 
     def start(self) -> str:
-        """Bring the cluster up; returns the router's URL once it serves. Raises on failure."""
+        """Bring the cluster up; returns the router's URL once it serves. On any failure (or
+        Ctrl-C) everything started so far is stopped again and the error raised."""
         _check_port(self.config.host, self.config.port)
         t0 = time.monotonic()
-        self._start_ray()
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        device = self.config.resolve_device(gpus)
-        count = self.config.resolve_workers(device, gpus)
-        model_dir = resolve_model(self.config.model)  # built-in models are generated once, here
-        self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
-        self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
-        started: Future = Future()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._run, args=(count, str(model_dir), started), name="radixray-router",
-            daemon=True,
-        )
-        self._thread.start()
         try:
+            self._start_ray()
+            gpus = ray.cluster_resources().get("GPU", 0.0)
+            device = self.config.resolve_device(gpus)
+            count = self.config.resolve_workers(device, gpus)
+            model_dir = resolve_model(self.config.model)  # a built-in model is generated here
+            self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
+            self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
+            started: Future = Future()
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(
+                target=self._run, args=(count, str(model_dir), started), name="radixray-router",
+                daemon=True,
+            )
+            self._thread.start()
             started.result()
         except BaseException:
             self.stop()
@@ -92,11 +93,6 @@ class Launcher:
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
-
-    def call(self, coro: Any, timeout_s: float | None = None) -> Any:
-        """Run a coroutine (e.g. `pool.add(1)`) on the router's loop from another thread."""
-        assert self._loop is not None, "launcher not started"
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def _start_ray(self) -> None:
         if ray.is_initialized():
