@@ -15,6 +15,7 @@ wrong tokens, because the workers' radix trees match on the token ids themselves
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,16 +25,35 @@ import numpy as np
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _POS_MULT = np.uint64(0xD6E8FEB86659FD93)
+# 0-d arrays: numpy applies them to an array faster than it converts a scalar each call.
+_K_GOLDEN = np.array(_GOLDEN)
+_K_MUL1 = np.array(np.uint64(0xBF58476D1CE4E5B9))
+_K_MUL2 = np.array(np.uint64(0x94D049BB133111EB))
+_K_30, _K_27, _K_31 = (np.array(np.uint64(s)) for s in (30, 27, 31))
 _NONE_SEED = 0x5A17C0DE2A11CE55
+_MASK = (1 << 64) - 1
 
 _positions = np.zeros(0, dtype=np.uint64)
 
 
+def _mix_inplace(x: np.ndarray) -> np.ndarray:
+    """splitmix64 of a uint64 array, in place (one scratch row, no other temporaries).
+
+    uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this)."""
+    tmp = np.empty_like(x)
+    np.add(x, _K_GOLDEN, out=x)
+    np.right_shift(x, _K_30, out=tmp)
+    np.bitwise_xor(x, tmp, out=x)
+    np.multiply(x, _K_MUL1, out=x)
+    np.right_shift(x, _K_27, out=tmp)
+    np.bitwise_xor(x, tmp, out=x)
+    np.multiply(x, _K_MUL2, out=x)
+    np.right_shift(x, _K_31, out=tmp)
+    return np.bitwise_xor(x, tmp, out=x)
+
+
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    return _mix_inplace(x.astype(np.uint64, copy=True))
 
 
 def _position_keys(n: int) -> np.ndarray:
@@ -52,12 +72,29 @@ def namespace_seed(namespace: str | None) -> int:
     return int.from_bytes(digest, "little")
 
 
+@functools.lru_cache(maxsize=1024)
+def _seed_u64(namespace: str | None) -> np.ndarray:
+    return np.array(np.uint64(namespace_seed(namespace)))
+
+
 def _as_uint64(tokens: Sequence[int], n: int) -> np.ndarray:
-    if hasattr(tokens, "numpy"):  # torch tensor
-        return tokens[:n].cpu().numpy().astype(np.uint64)
+    """The first `n` token ids as uint64 (two's complement); a read-only view when possible."""
     if isinstance(tokens, np.ndarray):
-        return tokens[:n].astype(np.uint64)
-    return np.frombuffer(array.array("q", tokens[:n]), dtype=np.int64).astype(np.uint64)
+        head = tokens[:n]
+    elif hasattr(tokens, "numpy"):  # torch tensor
+        head = tokens[:n].cpu().numpy()
+    else:
+        return np.frombuffer(array.array("q", tokens[:n]), dtype=np.int64).view(np.uint64)
+    if head.dtype == np.int64:
+        return head.view(np.uint64)
+    return head.astype(np.uint64)
+
+
+def _mixed_sums(tokens: Sequence[int], start: int, n: int) -> np.ndarray:
+    """Running sums of the position-mixed tokens (a new array; without the earlier state)."""
+    mixed = np.bitwise_xor(_as_uint64(tokens, n), _position_keys(start + n)[start:])
+    _mix_inplace(mixed)
+    return np.add.accumulate(mixed, out=mixed)
 
 
 def block_hashes(
@@ -69,10 +106,8 @@ def block_hashes(
     n = len(tokens) // block_size * block_size
     if n == 0:
         return []
-    mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(n))
-    with np.errstate(over="ignore"):
-        prefix = np.cumsum(mixed, dtype=np.uint64)[block_size - 1 :: block_size]
-    return _splitmix64(prefix ^ np.uint64(namespace_seed(namespace))).tolist()
+    prefix = _mixed_sums(tokens, 0, n)[block_size - 1 :: block_size]
+    return _mix_inplace(prefix ^ _seed_u64(namespace)).tolist()
 
 
 def extend_block_states(
@@ -90,18 +125,17 @@ def extend_block_states(
     n = len(tokens)
     if n == 0:
         return np.zeros(0, dtype=np.uint64), state
-    mixed = _splitmix64(_as_uint64(tokens, n) ^ _position_keys(start + n)[start:])
-    # uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this).
-    sums = np.cumsum(mixed, dtype=np.uint64) + np.uint64(state)
+    sums = _mixed_sums(tokens, start, n)
     first_end = (block_size - 1 - start) % block_size  # index of the first block end in `tokens`
-    return sums[first_end::block_size].copy(), int(sums[-1])
+    states = sums[first_end::block_size] + np.uint64(state)  # a new array, not a view
+    return states, (int(sums[-1]) + int(state)) & _MASK
 
 
 def hash_block_states(states: np.ndarray, namespace: str | None = None) -> list[int]:
     """Block hashes from the running states at the blocks' ends (see `extend_block_states`)."""
     if len(states) == 0:
         return []
-    return _splitmix64(states ^ np.uint64(namespace_seed(namespace))).tolist()
+    return _mix_inplace(states ^ _seed_u64(namespace)).tolist()
 
 
 def extend_block_hashes(
