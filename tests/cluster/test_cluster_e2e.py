@@ -3,6 +3,7 @@ uvicorn, and the official `openai` client."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import random
 import uuid
@@ -15,6 +16,9 @@ import ray
 from cluster.cli import main as cli_main
 from cluster.config import ClusterConfig
 from cluster.launcher import Launcher
+from cluster.router_link import pool_backends, router_config
+from router.app import create_app
+from worker.models.builtin import resolve_model
 
 pytestmark = pytest.mark.ray
 
@@ -137,6 +141,29 @@ def test_session_turns_stay_on_one_worker(client, cluster):
     assert len(workers) == 1
     closed = httpx.delete(f"{cluster.url}/v1/sessions/{session}", timeout=30).json()
     assert closed["deleted"] is True
+
+
+def test_a_new_router_rebuilds_its_index_from_worker_snapshots(client, cluster):
+    prompt = long_text(77)
+    _, holder = chat(client, prompt)
+    # A second router over the same workers, as after a router restart: it knows nothing until
+    # it joins them and applies their snapshots; then it routes the prompt to its holder.
+    config = router_config(cluster.config, str(resolve_model("tiny")))
+    app = create_app(config, pool_backends(cluster.pool))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 4, "temperature": 0}
+
+    async def ask() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+            try:
+                return await http.post("/v1/chat/completions", json=body, timeout=60)
+            finally:
+                await app.state.router.stop()
+
+    response = asyncio.run(ask())
+    assert response.headers["x-radixray-worker"] == holder
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
