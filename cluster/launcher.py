@@ -113,6 +113,8 @@ class Launcher:
         try:
             self._loop.run_until_complete(self._serve(count, model_dir, started))
         except BaseException as exc:  # the thread must report, never die silently
+            if isinstance(exc, SystemExit):  # uvicorn exits when it cannot start
+                exc = RuntimeError(f"the router could not listen on {self.url}")
             if not started.done():
                 started.set_exception(exc)
             else:
@@ -126,7 +128,11 @@ class Launcher:
         loop = asyncio.get_running_loop()
         # The router (its tokenizer) loads in a thread while the workers load their models.
         app = loop.run_in_executor(None, build_router, self.config, model_dir, self.pool)
-        await self.pool.start(count, progress.update)
+        beat = asyncio.create_task(progress.heartbeat())
+        try:
+            await self.pool.start(count, progress.update)
+        finally:
+            beat.cancel()
         self.app = await app
         uv = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.port,
@@ -156,7 +162,8 @@ class Launcher:
 
 
 class _Progress:
-    """One line per worker as it becomes ready: `[1/2] worker-0 ready (4.1s)`."""
+    """One line per worker as it becomes ready (`[1/2] worker-0 ready (4.1s)`), and a
+    heartbeat line while they load."""
 
     def __init__(self, total: int, echo: Callable[[str], None]) -> None:
         self.total, self.done, self.echo = total, 0, echo
@@ -167,6 +174,13 @@ class _Progress:
         self.done += 1
         elapsed = time.monotonic() - self.t0
         self.echo(f"  [{self.done}/{self.total}] {worker.worker_id} ready ({elapsed:.1f}s)")
+
+    async def heartbeat(self, every_s: float = 15.0) -> None:
+        """A line now and then while big models load, so a slow start never looks hung."""
+        while True:
+            await asyncio.sleep(every_s)
+            elapsed = time.monotonic() - self.t0
+            self.echo(f"  ... {self.done}/{self.total} ready after {elapsed:.0f}s")
 
 
 def _check_port(host: str, port: int) -> None:
