@@ -120,39 +120,66 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
+class Serve:
+    """`radixray serve` in a subprocess, its output collected line by line."""
+
+    def __init__(self, port: int) -> None:
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        self.proc = subprocess.Popen(
+            [*_command(), "serve", "--port", str(port), "--kv-tokens", "4096", "--num-cpus", "2"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for_line(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.output()
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
 @pytest.mark.ray
 def test_radixray_serve_answers_its_curl_line_and_stops_cleanly(helpers):
     port = helpers.free_port()
-    env = dict(os.environ)
-    env.pop(API_KEY_ENV, None)
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        [*_command(), "serve", "--port", str(port), "--kv-tokens", "4096", "--num-cpus", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    serve = Serve(port)
     try:
-        assert ready.wait(240), "".join(lines)
-        curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
+        serve.wait_for_line("Press Ctrl-C", 240)
+        curl = next(line.strip() for line in serve.lines if line.strip().startswith("curl "))
         body = json.loads(shlex.split(curl)[-1])
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
         answer = client.chat.completions.create(**body)
         print(f"radixray serve -> first answer: {time.monotonic() - t0:.1f}s")
         assert answer.choices[0].finish_reason in ("stop", "length")
         helpers.assert_idle_accounting(f"http://127.0.0.1:{port}")
-        ray_processes = _descendants(proc.pid)  # GCS, raylet, workers of its local Ray
+        ray_processes = _descendants(serve.proc.pid)  # GCS, raylet, workers of its local Ray
         assert len(ray_processes) >= 3
     finally:
-        proc.send_signal(signal.SIGTERM)  # what docker stop and Kubernetes send; Ctrl-C alike
-        code = proc.wait(60)
-    assert code == 0, "".join(lines)
+        serve.proc.send_signal(signal.SIGTERM)  # what docker stop and Kubernetes send
+        code = serve.proc.wait(60)
+    assert code == 0, serve.output()
+    helpers.wait_for(lambda: not _alive(ray_processes), 30, "its Ray processes to exit")
+
+
+@pytest.mark.ray
+def test_ctrl_c_while_workers_load_stops_everything(helpers):
+    serve = Serve(helpers.free_port())
+    try:
+        serve.wait_for_line("loading the model", 240)
+        ray_processes = _descendants(serve.proc.pid)
+        assert len(ray_processes) >= 3
+    finally:
+        serve.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        code = serve.proc.wait(60)
+    assert code == 0, serve.output()
+    assert "Press Ctrl-C" not in serve.output()
     helpers.wait_for(lambda: not _alive(ray_processes), 30, "its Ray processes to exit")
