@@ -21,28 +21,47 @@ def as_int64_array(values: SlotIds) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu" or values.dtype != torch.int64:
             values = values.to("cpu", torch.int64)
-        return values.detach().numpy().reshape(-1)
+        values = (values.detach() if values.requires_grad else values).numpy()
     if isinstance(values, np.ndarray):
-        return values.astype(np.int64, copy=False).reshape(-1)
+        if values.dtype != np.int64:
+            values = values.astype(np.int64)
+        return values if values.ndim == 1 else values.reshape(-1)
     return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+_offsets: dict[int, np.ndarray] = {}
+
+
+def _page_offsets(page_size: int, n: int) -> np.ndarray:
+    """`0, 1, .., page_size - 1` repeated to `n` slots (a read-only cached row, grown on need)."""
+    row = _offsets.get(page_size)
+    if row is None or len(row) < n:
+        pages = max(n // page_size, 2 * (0 if row is None else len(row) // page_size), 256)
+        row = np.tile(np.arange(page_size, dtype=np.int64), pages)
+        row.flags.writeable = False
+        _offsets[page_size] = row
+    return row[:n]
 
 
 def pages_to_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     """The slot ids of `pages`, page by page (a new array)."""
     if page_size == 1:
         return pages.astype(np.int64, copy=True)
-    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).reshape(-1)
+    # repeat + a cached offset row: much cheaper than broadcasting over rows of page_size.
+    slots = np.repeat(pages.astype(np.int64, copy=False) * page_size, page_size)
+    slots += _page_offsets(page_size, len(slots))
+    return slots
 
 
 def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """Page ids of `slots`; `ValueError` unless they are whole pages (aligned, contiguous)."""
+    """Page ids of `slots` (a new array unless `page_size` is 1); `ValueError` unless they are
+    whole pages (aligned, contiguous, ascending)."""
     if page_size == 1:
         return slots
     if len(slots) % page_size:
         raise ValueError(f"{len(slots)} slots are not whole pages of {page_size}")
-    by_page = slots.reshape(-1, page_size)
-    pages = by_page[:, 0] // page_size
-    if not np.array_equal(by_page, pages[:, None] * page_size + np.arange(page_size)):
+    pages = slots[::page_size] // page_size
+    if pages_to_slots(pages, page_size).tobytes() != slots.astype(np.int64, copy=False).tobytes():
         raise ValueError("slots are not whole pages (contiguous, ascending, aligned)")
     return pages
 

@@ -105,12 +105,14 @@ def make_root() -> TreeNode:
 
 def as_tokens(tokens: object) -> np.ndarray:
     """Token ids (list, tuple, numpy array or tensor) as a 1-D int64 numpy array."""
-    if isinstance(tokens, np.ndarray):
-        return tokens.astype(np.int64, copy=False).reshape(-1)
     if isinstance(tokens, torch.Tensor):
         if tokens.device.type != "cpu" or tokens.dtype != torch.int64:
             tokens = tokens.to("cpu", torch.int64)
-        return tokens.detach().numpy().reshape(-1)
+        tokens = (tokens.detach() if tokens.requires_grad else tokens).numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype != np.int64:
+            tokens = tokens.astype(np.int64)
+        return tokens if tokens.ndim == 1 else tokens.reshape(-1)
     return np.fromiter(tokens, dtype=np.int64, count=len(tokens))  # type: ignore[arg-type]
 
 

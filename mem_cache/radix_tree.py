@@ -137,7 +137,8 @@ class RadixTree:
 
     def _pages_of(self: RadixCache, values: np.ndarray, start: int, end: int) -> np.ndarray:
         """The pages of the caller's slots `values[start:end]` (whole pages), as a copy."""
-        return slots_to_pages(values[start:end], self.page_size).copy()
+        pages = slots_to_pages(values[start:end], self.page_size)
+        return pages.copy() if self.page_size == 1 else pages  # page_size > 1: already new
 
     def _child_key(self: RadixCache, node: TreeNode) -> object:
         first = node.key[: self._page_bytes]
@@ -153,6 +154,9 @@ class RadixTree:
         values = [node.value for node in path]
         if not values or any(v is None for v in values):
             return _EMPTY.clone()
-        pages = values[0] if len(values) == 1 else np.concatenate(values)
-        return torch.from_numpy(pages_to_slots(pages, self.page_size))  # a new array
+        if len(values) == 1:
+            return torch.from_numpy(pages_to_slots(values[0], self.page_size))  # a new array
+        pages = np.concatenate(values)  # a new array: page size 1 needs no second copy
+        slots = pages if self.page_size == 1 else pages_to_slots(pages, self.page_size)
+        return torch.from_numpy(slots)
 
