@@ -119,7 +119,10 @@ def as_tokens(tokens: object) -> np.ndarray:
 def common_prefix_tokens(key: bytes, query: bytes, offset: int) -> int:
     """How many leading int64 tokens `key` shares with `query[offset:]` (offset in bytes)."""
     n = min(len(key), len(query) - offset) // TOKEN_BYTES
+    if n <= 0:
+        return 0
     x = np.frombuffer(key, dtype=np.int64, count=n)
     y = np.frombuffer(query, dtype=np.int64, count=n, offset=offset)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if len(diff) else n
+    differs = x != y
+    first = int(differs.argmax())  # argmax of a bool array stops at the first True
+    return first if differs[first] else n

@@ -96,6 +96,8 @@ class RadixTree:
         if last_block_end > start:
             base_pos = last_block_end
             base = int(node.block_states[(last_block_end // bs) - start // bs - 1])
+            if base_pos == end:  # the split is at a block end: nothing to mix
+                return base
         else:
             base_pos, base = start, node.parent.hash_state  # type: ignore[union-attr]
         tokens = node.tokens()[base_pos - start : length]
