@@ -236,4 +236,3 @@ def decode_batch(data: bytes) -> EventBatch:
         return EventBatch(worker_id, epoch, seq, [_decode_event(r) for r in raw_events])
     except (TypeError, ValueError, IndexError, msgpack.exceptions.ExtraData) as exc:
         raise ValueError(f"malformed KV event batch: {exc}") from exc
-

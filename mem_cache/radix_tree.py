@@ -161,4 +161,3 @@ class RadixTree:
         pages = np.concatenate(values)  # a new array: page size 1 needs no second copy
         slots = pages if self.page_size == 1 else pages_to_slots(pages, self.page_size)
         return torch.from_numpy(slots)
-
