@@ -90,6 +90,10 @@ def curl_line(config: ClusterConfig) -> str:
 
 
 def _interrupt(*_: object) -> None:
+    # Ignore further stop signals before raising: a second one (Ctrl-C twice, or a SIGTERM
+    # sent to the process and again to its group) landing inside the `except` would escape
+    # `serve` uncaught, and Ray's excepthook then hangs on a raylet that is already gone.
+    _on_stop_signals(signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
