@@ -8,10 +8,8 @@ KV of a request's tokens lives in four regions, each with one owner at any momen
 Ownership moves only in: `insert` (request -> tree), `evict` and `reset` (tree -> allocator).
 `lock`/`unlock` pin a path (the request's cached prefix) against eviction without moving it.
 
-Eviction is LRU over unlocked leaves. The candidates live in a lazy min-heap keyed by last use:
-a node is pushed whenever it becomes (or, touched, stays) an unlocked leaf, and an entry is live
-only while its sequence number is the node's `heap_seq`; stale entries are skipped on pop and
-the heap is compacted when they outnumber the nodes. No `evict` walks the tree.
+Eviction is LRU over unlocked leaves, from a lazily maintained heap (`radix_evict`): no
+`evict` walks the tree.
 
 KV events follow blocks of `block_size` tokens counted from the root (independent of
 `page_size`): a node reports `BlockStored` for the blocks that end inside it when it is
@@ -21,7 +19,6 @@ and reports nothing.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -41,6 +38,7 @@ from mem_cache.events import (
     KVEvent,
 )
 from mem_cache.host_cache import KVCopier
+from mem_cache.radix_evict import LruEviction
 from mem_cache.radix_host import HostTier
 from mem_cache.radix_host_load import HostLoad
 from mem_cache.radix_integrity import check_tree
@@ -65,7 +63,7 @@ class MatchResult:
         return iter((self.indices, self.node, self.length))
 
 
-class RadixCache(RadixTree, HostTier, HostLoad):
+class RadixCache(RadixTree, LruEviction, HostTier, HostLoad):
     """Radix tree from token sequences to slot ids; see the module docstring and DESIGN.md.
 
     With `allocator=None` it is a pure index: nothing is freed, `indices` may be omitted on
@@ -222,66 +220,6 @@ class RadixCache(RadixTree, HostTier, HostLoad):
             node = node.parent  # type: ignore[assignment]
         if leaf.lock_ref == 0 and (not leaf.children or self._is_device_leaf(leaf)):
             self._push(leaf)
-
-    # --- eviction ---------------------------------------------------------------------------
-
-    def evict(self, num_tokens: int) -> int:
-        """Take unlocked leaves off the device, least recently used first, until `num_tokens`
-        are freed or nothing is evictable; a parent left an unlocked leaf becomes a candidate
-        with its own last use. With a host tier a backed-up node is demoted to host (it stays
-        matchable there) instead of removed. Returns the device tokens freed."""
-        host = self.host_allocator is not None
-        if host:
-            self._collect_writes()
-        freed, pages = 0, []
-        while freed < num_tokens and self._heap:
-            _, seq, node = heapq.heappop(self._heap)
-            if node.heap_seq != seq:
-                continue
-            node.heap_seq = -1
-            if not self._evictable_leaf(node):
-                continue
-            freed += len(node)
-            parent = node.parent
-            if host:
-                self._evict_device_node(node, pages)
-            else:
-                self._remove_leaf(node, pages)
-            if parent is not self.root and self._evictable_leaf(parent):
-                self._push(parent)
-        if pages and self.allocator is not None:
-            self.allocator.free_pages(np.concatenate(pages))
-        return freed
-
-    def _evictable_leaf(self, node: TreeNode) -> bool:
-        if self.host_allocator is not None:
-            return self._is_device_leaf(node)
-        return node.parent is not None and not node.children and not node.lock_ref
-
-    def _remove_leaf(self, node: TreeNode, pages: list[np.ndarray]) -> None:
-        """Detach an unlocked leaf; its pages go to `pages` for the caller to free."""
-        assert not node.children and node.lock_ref == 0, "only unlocked leaves are removed"
-        del node.parent.children[self._child_key(node)]  # type: ignore[union-attr]
-        self._evictable -= len(node)
-        self._num_nodes -= 1
-        if node.value is not None:
-            pages.append(node.value)
-        if node.hashes:
-            self._device_blocks.removed(node.hashes)
-        node.parent = None
-        node.value = None
-
-    def _push(self, node: TreeNode) -> None:
-        self._seq += 1
-        node.heap_seq = self._seq
-        heapq.heappush(self._heap, (node.last_access, self._seq, node))
-        if len(self._heap) > 2 * self._num_nodes + 1024:
-            self._compact_heap()
-
-    def _compact_heap(self) -> None:
-        """Drop stale heap entries (amortised: runs after more pushes than there are nodes)."""
-        self._heap = [e for e in self._heap if e[2].heap_seq == e[1]]
-        heapq.heapify(self._heap)
 
     # --- events, reset, integrity -------------------------------------------------------------
 
