@@ -18,6 +18,9 @@ from cluster.admin import add_workers_args, run_workers
 from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig
 from router.policies import POLICY_NAMES
 
+# mem_cache.radix_host.WRITE_POLICIES, named here so that `--help` needs no torch import
+HOST_POLICIES = ("write_through", "write_through_selective", "write_back")
+
 EPILOG = """examples:
   radixray serve                                  # laptop: local Ray, tiny model, 2 CPU workers
   radixray serve --model small --workers 4 --policy cache_aware
@@ -60,7 +63,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                     metavar="N",
                     help="host-memory KV tier in tokens, 0 for none (default: %(default)s)")
     kv.add_argument("--host-policy", default=d["host_policy"].default, metavar="NAME",
-                    help="host tier policy: write_through or write_back (default: %(default)s)")
+                    choices=HOST_POLICIES,
+                    help=f"when KV is copied to the host tier: {', '.join(HOST_POLICIES)} "
+                         "(default: %(default)s)")
     router = parser.add_argument_group("router")
     router.add_argument("--host", default=d["host"].default, metavar="ADDR",
                         help="address the router listens on (default: %(default)s)")

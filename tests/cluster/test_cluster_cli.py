@@ -149,6 +149,15 @@ class Serve:
         return "".join(self.lines)
 
 
+def test_host_policies_are_the_caches_and_a_typo_fails_at_the_command_line(capsys):
+    from mem_cache.radix_host import WRITE_POLICIES
+
+    assert cli.HOST_POLICIES == WRITE_POLICIES
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", "--host-policy", "write_thru"])
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 def test_a_stop_signal_ignores_the_next_ones_until_cleanup_is_done():
     """A second SIGTERM/Ctrl-C landing inside the handler's `except` escaped `serve` uncaught
     and left it hanging in Ray's excepthook; the first signal now ignores the next ones."""
