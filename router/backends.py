@@ -11,11 +11,11 @@ Errors are two kinds, and the dispatcher treats them differently:
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from router.sse import sse_json
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 
@@ -237,14 +237,8 @@ class HttpBackend(Backend):
                     text = await resp.text()
                     kind = BackendRequestError if resp.status < 500 else BackendDead
                     raise kind(f"{self.worker_id}: HTTP {resp.status}: {text[:500]}")
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk, usage = self._parse(request.request_id, json.loads(data))
+                async for body in sse_json(resp.content):
+                    chunk, usage = self._parse(request.request_id, body)
                     if usage and last is not None:
                         last.prompt_tokens = usage.get("prompt_tokens", 0)
                         details = usage.get("prompt_tokens_details") or {}

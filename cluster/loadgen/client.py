@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from cluster.loadgen.prompts import BenchRequest
+from router.sse import sse_json
 
 WORKER_HEADER = "X-Radixray-Worker"
 
@@ -104,14 +104,7 @@ async def send(http: aiohttp.ClientSession, target: Target, req: BenchRequest) -
 
 async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome) -> None:
     last = None
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        body = json.loads(data)
+    async for body in sse_json(resp.content):
         if "error" in body:
             out.error = str(body["error"])[:200]
             return
