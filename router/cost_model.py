@@ -52,7 +52,11 @@ class CostConfig:
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
-    compute_weight: float = 5.0  # `scores`: seconds of score per second of prefill it adds
+    compute_weight: float = 8.0  # `scores`: seconds of score per second of prefill it adds
+    # the compute weight shrinks as long_prefill_s / (own prefill time) past this: a request
+    # whose prefill is long sets the TTFT tail, and for it a wait behind a busy cached worker
+    # costs more than the recompute saves; 0: no shrinking
+    long_prefill_s: float = 1.0
     backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
     decode_weight: float = 0.25  # `scores`: seconds of score per second of its own decode
 
@@ -127,15 +131,22 @@ class CostModel:
         wait) every second of added prefill delays the requests that queue before the backlog
         clears, about rho / s of them for requests of prefill time s: the weight grows by that.
 
+        The weight shrinks for a request whose own prefill takes longer than `long_prefill_s`
+        (by that ratio): such requests make the TTFT tail, where waiting behind the worker that
+        holds their prefix hurts more than recomputing part of it elsewhere.
+
         A small `decode_weight` x the request's decode time there (expected output x the step
         time of the batch it joins) keeps an idle cluster from stacking every new conversation
         on the worker that holds a shared system prompt: its batch, and every step, grows.
         """
         estimates = [self._estimate(request, view) for view in views]
-        weight = 1.0 + self.config.compute_weight
+        full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
+        compute = self.config.compute_weight
+        if self.config.long_prefill_s > 0 and full_s > self.config.long_prefill_s:
+            compute *= self.config.long_prefill_s / full_s
+        weight = 1.0 + compute
         rho = min(e[0] for e in estimates)
         if rho > 0:
-            full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
             weight += self.config.backlog_weight * rho / full_s
         decode = self.config.decode_weight * request.expected_output
         growth = self.config.decode_step_per_request_s

@@ -1,0 +1,78 @@
+"""Sweep the `cost` policy's weights over the 8 Mooncake settings of docs/benchmarks.md.
+
+Runs `cost` only (the other policies do not depend on its weights) and compares each setting
+with the best other policy's mean and p99 TTFT from the full matrix in docs/benchmarks.md.
+
+    python bench/sweep_cost_weights.py '{"compute_weight": 8, "long_prefill_s": 1.0}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake_conversation.jsonl.gz"
+ONE_PCT, FIVE_PCT = 935_936, 4_679_680  # KV tokens per worker: 1% / 5% of the distinct blocks
+# (workers, kv tokens, load) -> best other policy's (mean, p99) TTFT, docs/benchmarks.md matrix
+BEST_OTHER = {
+    (8, ONE_PCT, 0.5): (0.616, 6.23), (8, ONE_PCT, 0.8): (1.187, 8.70),
+    (8, FIVE_PCT, 0.5): (0.538, 5.45), (8, FIVE_PCT, 0.8): (0.878, 6.44),
+    (16, ONE_PCT, 0.5): (0.583, 5.94), (16, ONE_PCT, 0.8): (1.018, 6.96),
+    (16, FIVE_PCT, 0.5): (0.546, 5.53), (16, FIVE_PCT, 0.8): (0.829, 6.07),
+}
+
+
+def run_setting(setting: tuple[int, int, float], weights: dict, trace: str) -> dict:
+    import cluster.sim.routing as routing
+    from cluster.sim.cli import add_simulate_args, run_simulate
+    from router.cost_model import CostConfig
+
+    routing.CostConfig = functools.partial(CostConfig, **weights)  # this process only
+    parser = argparse.ArgumentParser()
+    add_simulate_args(parser)
+    workers, kv_tokens, load = setting
+    args = parser.parse_args([
+        "--trace", trace, "--workers", str(workers), "--kv-tokens", str(kv_tokens),
+        "--load", str(load), "--policy", "cost", "--json", "--no-progress",
+    ])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run_simulate(args)
+    report = json.loads(out.getvalue())
+    return {"pooled": report["pooled_hit_rate"], **report["cost"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("weights", nargs="?", default="{}", help="CostConfig overrides, JSON")
+    parser.add_argument("--trace", default=str(TRACE))
+    args = parser.parse_args()
+    weights = json.loads(args.weights)
+    settings = list(BEST_OTHER)
+    with ProcessPoolExecutor(2) as pool:
+        results = list(pool.map(run_setting, settings, [weights] * 8, [args.trace] * 8))
+    met = {"hit": 0, "mean": 0, "p99": 0, "all": 0}
+    for setting, r in zip(settings, results, strict=True):
+        best_mean, best_p99 = BEST_OTHER[setting]
+        checks = {
+            "hit": r["hit_rate"] / r["pooled"] >= 0.95,
+            "mean": r["ttft_mean"] < best_mean,
+            "p99": r["ttft_p99"] < best_p99,
+        }
+        checks["all"] = all(checks.values())
+        for key, ok in checks.items():
+            met[key] += ok
+        print(f"{setting}: hit/pooled {r['hit_rate'] / r['pooled']:.3f}  mean "
+              f"{r['ttft_mean']:.3f} s (best other {best_mean})  p99 {r['ttft_p99']:.2f} s "
+              f"(best other {best_p99}){'  all goals met' if checks['all'] else ''}")
+    print(f"{weights}: settings meeting hit {met['hit']}/8, mean {met['mean']}/8, "
+          f"p99 {met['p99']}/8, all three {met['all']}/8")
+
+
+if __name__ == "__main__":
+    main()

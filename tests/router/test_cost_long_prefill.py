@@ -1,0 +1,48 @@
+"""`cost` weighs the prefill a choice adds less for long requests: they make the TTFT tail, and
+for them a queue behind the worker that caches half their prompt costs more than recomputing it.
+
+Same relative situation for both sizes: worker `cached` holds half the prompt behind a queue 5x
+the remaining prefill, worker `idle` holds nothing and waits for nothing.
+"""
+
+from __future__ import annotations
+
+from router.cost_model import CostConfig, CostModel
+from router.policies import RouteRequest, WorkerView
+
+SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s
+
+
+def model(long_prefill_s: float) -> CostModel:
+    return CostModel(
+        CostConfig(
+            prefill_tokens_per_s=SPEED,
+            attention_knee_tokens=0,
+            decode_weight=0.0,
+            compute_weight=8.0,
+            long_prefill_s=long_prefill_s,
+        )
+    )
+
+
+def choice(cost_model: CostModel, tokens: int) -> str:
+    request = RouteRequest("r", tokens, tokens // 16)
+    half_prefill_s = tokens / 2 / SPEED
+    views = [
+        WorkerView("cached", matched_blocks=tokens // 32, queue_s=5 * half_prefill_s),
+        WorkerView("idle"),
+    ]
+    scores = cost_model.scores(request, views)
+    return views[scores.index(min(scores))].worker_id
+
+
+def test_a_short_request_follows_its_cached_prefix_past_a_queue():
+    assert choice(model(long_prefill_s=1.0), 800) == "cached"  # own prefill 0.8 s
+
+
+def test_a_long_request_avoids_the_queue_in_front_of_its_cached_prefix():
+    assert choice(model(long_prefill_s=1.0), 8000) == "idle"  # own prefill 8 s
+
+
+def test_without_the_knob_the_long_request_queued_behind_its_cache():
+    assert choice(model(long_prefill_s=0.0), 8000) == "cached"
