@@ -42,7 +42,7 @@ from mem_cache.radix_evict import LruEviction
 from mem_cache.radix_host import HostTier
 from mem_cache.radix_host_load import HostLoad
 from mem_cache.radix_integrity import check_tree
-from mem_cache.radix_node import TOKEN_BYTES, TreeNode, as_tokens, make_root
+from mem_cache.radix_node import TOKEN_BYTES, TreeNode, make_root
 from mem_cache.radix_tree import RadixTree
 
 
@@ -130,7 +130,7 @@ class RadixCache(RadixTree, LruEviction, HostTier, HostLoad):
 
         A match ending inside a node splits it so that `.node` ends exactly at the match.
         """
-        arr = as_tokens(tokens)
+        arr = as_int64_array(tokens)
         n = len(arr) // self.page_size * self.page_size
         node, pos, path = self._walk(arr[:n].tobytes(), namespace)
         self._touch(path)
@@ -147,7 +147,7 @@ class RadixCache(RadixTree, LruEviction, HostTier, HostLoad):
         `indices[returned:aligned_len]`; the caller still owns `indices[:returned]` (duplicates
         it must free) and `indices[aligned_len:]` (the unaligned tail).
         """
-        arr = as_tokens(tokens)
+        arr = as_int64_array(tokens)
         n = len(arr) // self.page_size * self.page_size
         values = None if indices is None else as_int64_array(indices)
         if values is None and self.allocator is not None:

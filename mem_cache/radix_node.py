@@ -15,7 +15,6 @@ state at a split point by mixing fewer than `block_size` tokens.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 TOKEN_BYTES = 8
 
@@ -101,19 +100,6 @@ class TreeNode:
 def make_root() -> TreeNode:
     """The root: an empty edge, never counted, locked or evicted."""
     return TreeNode(None, b"", None, None, 0, [], np.zeros(0, dtype=np.uint64), 0, 0)
-
-
-def as_tokens(tokens: object) -> np.ndarray:
-    """Token ids (list, tuple, numpy array or tensor) as a 1-D int64 numpy array."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.device.type != "cpu" or tokens.dtype != torch.int64:
-            tokens = tokens.to("cpu", torch.int64)
-        tokens = (tokens.detach() if tokens.requires_grad else tokens).numpy()
-    if isinstance(tokens, np.ndarray):
-        if tokens.dtype != np.int64:
-            tokens = tokens.astype(np.int64)
-        return tokens if tokens.ndim == 1 else tokens.reshape(-1)
-    return np.fromiter(tokens, dtype=np.int64, count=len(tokens))  # type: ignore[arg-type]
 
 
 def common_prefix_tokens(key: bytes, query: bytes, offset: int) -> int:
