@@ -194,6 +194,11 @@ class RoutingCore:
         self.index.refresh_pending(booking.worker_id, booking.hashes)
         return booking
 
+    def first_token(self, request_id: str) -> None:
+        """The request's first token is out: its worker's predicted queue moves by the error
+        of the prefill prediction (see `LoadLedger.first_token`)."""
+        self.ledger.first_token(request_id, self.clock())
+
     def close_session(self, session_id: str) -> bool:
         """Forget a session pin; True if it existed. (The worker's KV is the caller's job.)"""
         return self.sessions.close(session_id)

@@ -117,6 +117,7 @@ class Dispatch:
                 chunk = await self._stream.__anext__()
                 if chunk.error and not chunk.token_ids:
                     raise BackendRequestError(chunk.error)
+                self.d.core.first_token(self.request.request_id)
                 return chunk
             except (BackendDead, StopAsyncIteration) as exc:
                 self._fail(exc)

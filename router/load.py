@@ -6,6 +6,11 @@ uncached prefill tokens, its expected decode tokens and its whole KV footprint, 
 releases them. Prefill work also ages out: the request's prefill is assumed done at the time the
 cost model predicted (`prefill_done_at`), because the engine starts decoding long before the
 request ends. `busy_until` is the worker's predicted prefill-queue drain time (FIFO).
+
+When a request's first token comes out (`first_token`), its prefill is known to be done: the
+queue behind it moves by the prediction's error, earlier or later. The error is measured against
+the prediction as already corrected, so a late worker is not charged once per request queued
+behind the one that made it late.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ class Booking:
     hashes: Sequence[int] = ()  # its block hashes (index bookkeeping)
     cached_tokens: int = 0  # prefix hit the index predicted
     actual_cached_tokens: int | None = None  # prefix hit the worker reported, set by finish
+    prefilled: bool = False  # its prefill is out of the queue (predicted done, or first token)
+    shift_at_booking: float = 0.0  # the worker's queue correction when it was booked
+    started: bool = False  # its first token came out (`first_token`)
 
 
 @dataclass(slots=True)
@@ -41,6 +49,7 @@ class WorkerLoad:
     decode_tokens: int = 0
     active_tokens: int = 0
     busy_until: float = 0.0
+    shift_s: float = 0.0  # sum of the first-token corrections applied to busy_until
     prefill_ahead: list[tuple[float, int, Booking]] = field(default_factory=list)  # heap
 
 
@@ -87,15 +96,20 @@ class LoadLedger:
     def get(self, request_id: str) -> Booking | None:
         return self._bookings.get(request_id)
 
+    def bookings(self) -> list[Booking]:
+        """Every current booking, in booking order."""
+        return list(self._bookings.values())
+
     def load(self, worker_id: str, now: float) -> WorkerLoad:
         """The worker's sums, with prefills predicted done by `now` aged out."""
         load = self._loads.get(worker_id)
         if load is None:
             load = self._loads[worker_id] = WorkerLoad()
-        ahead = load.prefill_ahead
-        while ahead and ahead[0][0] <= now:
+        ahead, due = load.prefill_ahead, now - load.shift_s  # heap keys leave the shift out
+        while ahead and ahead[0][0] <= due:
             _, _, booking = heapq.heappop(ahead)
-            if self._bookings.get(booking.request_id) is booking:
+            if self._bookings.get(booking.request_id) is booking and not booking.prefilled:
+                booking.prefilled = True
                 load.prefill_tokens -= booking.prefill_tokens
         return load
 
@@ -118,14 +132,42 @@ class LoadLedger:
             self._drains[booking.worker_id] = DrainRate(now, self._drain_window_s)
         load.busy_until = max(load.busy_until, now) + booking.prefill_s
         booking.prefill_done_at = load.busy_until
+        booking.shift_at_booking = load.shift_s
         load.requests += 1
         load.decode_tokens += booking.decode_tokens
         load.active_tokens += booking.active_tokens
         if booking.prefill_done_at > now:
             load.prefill_tokens += booking.prefill_tokens
             self._pushed += 1
-            heapq.heappush(load.prefill_ahead, (booking.prefill_done_at, self._pushed, booking))
+            key = booking.prefill_done_at - load.shift_s
+            heapq.heappush(load.prefill_ahead, (key, self._pushed, booking))
+        else:
+            booking.prefilled = True
         self._bookings[booking.request_id] = booking
+
+    def first_token(self, request_id: str, now: float) -> Booking | None:
+        """The request's first token is out: correct its worker's queue by the prediction's
+        error (only the first call per booking counts; unknown ids return None)."""
+        booking = self._bookings.get(request_id)
+        if booking is None:
+            return None
+        if booking.started:
+            return booking  # corrected already
+        booking.started = True
+        load = self._loads[booking.worker_id]  # corrected first, then aged with the correction
+        error = now - self._done_at(load, booking)
+        load.shift_s += error
+        load.busy_until = max(now, load.busy_until + error)
+        self.load(booking.worker_id, now)
+        if not booking.prefilled:
+            booking.prefilled = True
+            load.prefill_tokens -= booking.prefill_tokens
+        return booking
+
+    @staticmethod
+    def _done_at(load: WorkerLoad, booking: Booking) -> float:
+        """The booking's predicted prefill end, with the corrections made since it was booked."""
+        return booking.prefill_done_at + load.shift_s - booking.shift_at_booking
 
     def release(self, request_id: str, now: float) -> Booking | None:
         """Remove a request's load (finished, aborted, or rerouted); unknown ids return None.
@@ -142,9 +184,9 @@ class LoadLedger:
         load.requests -= 1
         load.decode_tokens -= booking.decode_tokens
         load.active_tokens -= booking.active_tokens
-        if booking.prefill_done_at > now:
+        if not booking.prefilled:  # ended (aborted) before its prefill was predicted done
             load.prefill_tokens -= booking.prefill_tokens
-            load.busy_until -= min(booking.prefill_s, booking.prefill_done_at - now)
+            load.busy_until -= min(booking.prefill_s, self._done_at(load, booking) - now)
         if load.requests == 0:
             self._loads[booking.worker_id] = WorkerLoad()
         return booking

@@ -3,8 +3,9 @@
 Events, in time order (ties in insertion order, so a run is deterministic):
 - an arrival: the router routes the request (`RoutingCore.route`, the same object and policy
   as the live router) and the chosen worker queues it (interrupting a decode run);
-- a step end: the worker applies its step, the router hears of finished requests at once
-  (`finish`, with the real cached tokens, as the live router does when a stream ends);
+- a step end: the worker applies its step, the router hears of first tokens and finished
+  requests at once (`first_token`; `finish` with the real cached tokens), as the live router
+  does when a stream starts and ends;
 - a delivery: KV event batches and worker stats reach the router `event_delay_s` after the
   worker produced them, as they would over the wire.
 """
@@ -134,7 +135,9 @@ class Simulator:
     def _end(self, worker: SimWorker, version: int) -> None:
         if version != worker.version:
             return  # replaced by an interrupt
-        _, finished = worker.end_step(self.now)
+        first, finished = worker.end_step(self.now)
+        for state in first:
+            self.core.first_token(state.req.request_id)
         for state in finished:
             self.core.finish(state.req.request_id, state.cached_tokens)
         self._done += len(finished)

@@ -139,3 +139,22 @@ def test_dead_worker_is_readded_when_it_answers_again(tokenizer):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert server.router.workers.state(dead[0].worker_id) == "ready"
+
+
+def test_the_first_streamed_token_marks_its_booking_started(tokenizer):
+    """The live path calls `first_token` when a stream's first chunk arrives: the booking's
+    prefill leaves the worker's queue while it is still decoding."""
+    with serve(tokenizer, count=1) as server:
+        server.workers[0].delay_s = 0.3  # a slow decode: the request stays booked a while
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model="tiny", prompt="mark me started", max_tokens=4, stream=True
+        )
+        next(iter(stream))
+        ledger = server.router.core.ledger
+        booked = ledger.bookings()
+        assert len(booked) == 1 and booked[0].started and booked[0].prefilled
+        assert ledger.load(booked[0].worker_id, time.monotonic()).prefill_tokens == 0
+        for _ in stream:
+            pass
+        assert ledger.bookings() == []
