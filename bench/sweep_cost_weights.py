@@ -1,9 +1,10 @@
 """Sweep the `cost` policy's weights over the 8 Mooncake settings of docs/benchmarks.md.
 
 Runs `cost` only (the other policies do not depend on its weights) and compares each setting
-with the best other policy's mean and p99 TTFT from the full matrix in docs/benchmarks.md.
+with the best other policy's mean and p99 TTFT: from a saved matrix run (`--baseline`, the
+`--out` of bench/sim_mooncake_matrix.py) or else the matrix in docs/benchmarks.md.
 
-    python bench/sweep_cost_weights.py '{"compute_weight": 8, "long_prefill_s": 1.0}'
+    python bench/sweep_cost_weights.py --baseline matrix.json '{"compute_weight": 16}'
 """
 
 from __future__ import annotations
@@ -47,18 +48,35 @@ def run_setting(setting: tuple[int, int, float], weights: dict, trace: str) -> d
     return {"pooled": report["pooled_hit_rate"], **report["cost"]}
 
 
+def best_other(path: str) -> dict[tuple[int, int, float], tuple[float, float]]:
+    """(workers, kv tokens, load) -> the best other policy's (mean, p99) TTFT in a saved run
+    of bench/sim_mooncake_matrix.py (`--out`)."""
+    with open(path) as f:
+        settings = json.load(f)
+    best = {}
+    for s in settings:
+        others = [r for name, r in s["report"].items() if name not in ("cost", "pooled_hit_rate")]
+        key = (s["workers"], s["kv_tokens"], s["load"])
+        best[key] = (min(r["ttft_mean"] for r in others), min(r["ttft_p99"] for r in others))
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("weights", nargs="?", default="{}", help="CostConfig overrides, JSON")
     parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--baseline", metavar="JSON", help="the other policies' figures: a "
+                        "saved matrix run (default: the figures in docs/benchmarks.md)")
     args = parser.parse_args()
     weights = json.loads(args.weights)
-    settings = list(BEST_OTHER)
+    baseline = best_other(args.baseline) if args.baseline else BEST_OTHER
+    settings = list(baseline)
     with ProcessPoolExecutor(2) as pool:
-        results = list(pool.map(run_setting, settings, [weights] * 8, [args.trace] * 8))
+        n = len(settings)
+        results = list(pool.map(run_setting, settings, [weights] * n, [args.trace] * n))
     met = {"hit": 0, "mean": 0, "p99": 0, "all": 0}
     for setting, r in zip(settings, results, strict=True):
-        best_mean, best_p99 = BEST_OTHER[setting]
+        best_mean, best_p99 = baseline[setting]
         checks = {
             "hit": r["hit_rate"] / r["pooled"] >= 0.95,
             "mean": r["ttft_mean"] < best_mean,

@@ -6,7 +6,7 @@ first token therefore comes after the prefill queued ahead of it and its own unc
 both slowed by the decode work that rides along every chunk:
 
     effective_speed = speed / (1 + decode_step_s * speed / prefill_budget)   (while decoding)
-    prefill_s = uncached / effective_speed x (1 + (cached + uncached / 2) / attention_knee)
+    prefill_s = uncached / effective_speed x (knee + cached + uncached / 2) / (knee + budget / 2)
     ttft = queue_s + room_wait_s + prefill_s + host_hit / host_load_speed + decode_step_s
 
 `room_wait_s` is the wait for a running slot (past `max_running`) or for KV room.
@@ -52,11 +52,13 @@ class CostConfig:
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
-    compute_weight: float = 8.0  # `scores`: seconds of score per second of prefill it adds
-    # the compute weight shrinks as long_prefill_s / (own prefill time) past this: a request
-    # whose prefill is long sets the TTFT tail, and for it a wait behind a busy cached worker
-    # costs more than the recompute saves; 0: no shrinking
-    long_prefill_s: float = 1.0
+    compute_weight: float = 16.0  # `scores`: seconds of score per second of prefill it adds
+    # the compute weight shrinks as (long_ttft_s / best TTFT) ** long_power for a request whose
+    # best predicted TTFT (over all workers) is longer: such requests make the TTFT tail, and
+    # for them a wait behind a busy cached worker costs more than the recompute saves;
+    # 0: no shrinking
+    long_ttft_s: float = 0.5
+    long_power: float = 2.0
     backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
     decode_weight: float = 0.25  # `scores`: seconds of score per second of its own decode
 
@@ -131,9 +133,9 @@ class CostModel:
         wait) every second of added prefill delays the requests that queue before the backlog
         clears, about rho / s of them for requests of prefill time s: the weight grows by that.
 
-        The weight shrinks for a request whose own prefill takes longer than `long_prefill_s`
-        (by that ratio): such requests make the TTFT tail, where waiting behind the worker that
-        holds their prefix hurts more than recomputing part of it elsewhere.
+        The weight shrinks for a request whose best predicted TTFT is longer than `long_ttft_s`
+        (by the square of that ratio): such requests make the TTFT tail, where waiting behind
+        the worker that holds their prefix hurts more than recomputing part of it elsewhere.
 
         A small `decode_weight` x the request's decode time there (expected output x the step
         time of the batch it joins) keeps an idle cluster from stacking every new conversation
@@ -141,9 +143,10 @@ class CostModel:
         """
         estimates = [self._estimate(request, view) for view in views]
         full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
-        compute = self.config.compute_weight
-        if self.config.long_prefill_s > 0 and full_s > self.config.long_prefill_s:
-            compute *= self.config.long_prefill_s / full_s
+        best_s = min(e[0] + e[1] + e[2] for e in estimates)
+        compute, long_s = self.config.compute_weight, self.config.long_ttft_s
+        if long_s > 0 and best_s > long_s:
+            compute *= (long_s / best_s) ** self.config.long_power
         weight = 1.0 + compute
         rho = min(e[0] for e in estimates)
         if rho > 0:
@@ -191,8 +194,10 @@ class CostModel:
         host = host if host < limit - device else limit - device
         uncached = request.num_tokens - device - host
         prefill = uncached / effective
-        if cfg.attention_knee_tokens > 0:  # attention: each new token reads its whole prefix
-            prefill *= 1.0 + (device + host + uncached / 2) / cfg.attention_knee_tokens
+        knee = cfg.attention_knee_tokens
+        if knee > 0:  # attention: each new token reads its whole prefix; `speed` is measured
+            # on chunks of `prefill_budget` tokens, which already pay for their own attention
+            prefill *= (knee + device + host + uncached / 2) / (knee + cfg.prefill_budget / 2)
         if host:
             prefill += host / cfg.host_load_tokens_per_s
         wait = self._queue_s(view, effective)

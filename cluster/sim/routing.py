@@ -32,6 +32,7 @@ def make_core(
         decode_step_s=profile.step_s(0, 0, 1, 0),
         decode_step_per_request_s=profile.token_s,
         prefill_budget=profile.prefill_budget,
+        attention_knee_tokens=profile.token_s / profile.attn_pair_s,
         max_running=profile.max_running,
         host_load_tokens_per_s=1.0 / profile.host_load_token_s,
     )

@@ -76,7 +76,7 @@ def test_a_burst_on_one_prefix_follows_the_first_request_then_spills() -> None:
     core, _ = make_core(4)
     shared = list(range(4000))
     decisions = [
-        core.route(f"r{i}", block_hashes(shared + [i] * 160), 4160, 50) for i in range(100)
+        core.route(f"r{i}", block_hashes(shared + [i] * 160), 4160, 50) for i in range(200)
     ]
     first = decisions[0].worker_id
     assert decisions[0].reason == "least_load"

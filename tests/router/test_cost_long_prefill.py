@@ -1,5 +1,6 @@
-"""`cost` weighs the prefill a choice adds less for long requests: they make the TTFT tail, and
-for them a queue behind the worker that caches half their prompt costs more than recomputing it.
+"""`cost` weighs the prefill a choice adds less for requests whose best TTFT is long: they make
+the TTFT tail, and for them a queue behind the worker that caches half their prompt costs more
+than recomputing it.
 
 Same relative situation for both sizes: worker `cached` holds half the prompt behind a queue 5x
 the remaining prefill, worker `idle` holds nothing and waits for nothing.
@@ -13,14 +14,14 @@ from router.policies import RouteRequest, WorkerView
 SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s
 
 
-def model(long_prefill_s: float) -> CostModel:
+def model(long_ttft_s: float) -> CostModel:
     return CostModel(
         CostConfig(
             prefill_tokens_per_s=SPEED,
             attention_knee_tokens=0,
             decode_weight=0.0,
-            compute_weight=8.0,
-            long_prefill_s=long_prefill_s,
+            compute_weight=16.0,
+            long_ttft_s=long_ttft_s,
         )
     )
 
@@ -37,12 +38,12 @@ def choice(cost_model: CostModel, tokens: int) -> str:
 
 
 def test_a_short_request_follows_its_cached_prefix_past_a_queue():
-    assert choice(model(long_prefill_s=1.0), 800) == "cached"  # own prefill 0.8 s
+    assert choice(model(long_ttft_s=0.5), 800) == "cached"  # best TTFT 0.8 s
 
 
 def test_a_long_request_avoids_the_queue_in_front_of_its_cached_prefix():
-    assert choice(model(long_prefill_s=1.0), 8000) == "idle"  # own prefill 8 s
+    assert choice(model(long_ttft_s=0.5), 8000) == "idle"  # best TTFT 8 s
 
 
 def test_without_the_knob_the_long_request_queued_behind_its_cache():
-    assert choice(model(long_prefill_s=0.0), 8000) == "cached"
+    assert choice(model(long_ttft_s=0.0), 8000) == "cached"
