@@ -1,8 +1,5 @@
-"""The router's HTTP face: the OpenAI API plus workers, sessions, health and metrics.
-
-    create_app(config: RouterConfig, backends: Sequence[Backend] = (), *,
-               control: WorkerControl | None = None, tokenizer: Tokenizer | None = None,
-               core: RoutingCore | None = None) -> FastAPI
+"""The router's HTTP face (`create_app`): the OpenAI API plus workers, sessions, health and
+metrics.
 
 `backends` are the workers known at start (e.g. `RayBackend(worker_id, actor_handle)`); they
 join when the app starts (lifespan, or the first request when the host runs no lifespan, as
