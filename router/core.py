@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from mem_cache.events import decode_batch
+from router.affinity import AffinityRates
 from router.load import Booking, LoadLedger
 from router.policies import (
     DEFAULT_POLICY,
@@ -74,6 +75,7 @@ class RoutingCore:
         self.index = PrefixIndex(self.config.index, clock)
         self.sessions = SessionTable(self.config.sessions, clock)
         self.ledger = LoadLedger()
+        self.affinity = AffinityRates(self.cost_model.config.affinity_window_s)
         self._views: dict[str, WorkerView] = {}  # in order of joining
 
     # --- workers ---------------------------------------------------------------------------
@@ -96,6 +98,7 @@ class RoutingCore:
         self._observe_fleet()
         self.index.remove_worker(worker_id)
         self.sessions.drop_worker(worker_id)
+        self.affinity.drop(worker_id)
         return [b.request_id for b in self.ledger.drop_worker(worker_id)]
 
     def set_draining(self, worker_id: str, draining: bool = True) -> None:
@@ -155,9 +158,10 @@ class RoutingCore:
         """
         now = self.clock()
         self.ledger.release(request_id, now)
-        request, decision = self._decide(
+        request, decision, holders = self._decide(
             request_id, hashes, num_tokens, expected_output, session_id, exclude, now
         )
+        self.affinity.add(holders, now)
         view = self._views[decision.worker_id]
         self.ledger.book(self._booking(request, view, decision, hashes), now)
         self.index.record_route(decision.worker_id, hashes)
@@ -218,8 +222,9 @@ class RoutingCore:
         session_id: str | None,
         exclude: Collection[str],
         now: float,
-    ) -> tuple[RouteRequest, Decision]:
-        """Match, fill the candidates' views, run the policy, then follow the session pin."""
+    ) -> tuple[RouteRequest, Decision, list[str]]:
+        """Match, fill the candidates' views, run the policy, then follow the session pin.
+        Also returns the candidates holding the request's longest cached prefix."""
         self.index.expire()
         candidates = [
             v for v in self._views.values() if not v.draining and v.worker_id not in exclude
@@ -239,7 +244,9 @@ class RoutingCore:
             decision = self._follow_pin(request, session_id, decision, candidates)
         view = self._views[decision.worker_id]
         decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
-        return request, decision
+        top = max(v.matched_blocks for v in candidates)
+        holders = [v.worker_id for v in candidates if v.matched_blocks == top] if top else []
+        return request, decision, holders
 
     def _fill_load(self, view: WorkerView, now: float) -> WorkerView:
         load = self.ledger.load(view.worker_id, now)
@@ -250,6 +257,7 @@ class RoutingCore:
         view.drain_tokens_per_s = self.ledger.drain_rate(view.worker_id, now)
         view.queue_s = max(0.0, load.busy_until - now)
         view.cached_blocks = self.index.num_blocks(view.worker_id)
+        view.affinity_rate = self.affinity.rate(view.worker_id, now)
         return view
 
     def _follow_pin(

@@ -11,10 +11,11 @@ both slowed by the decode work that rides along every chunk:
 
 `room_wait_s` is the wait for a running slot (past `max_running`) or for KV room.
 
-The `cost` policy minimises `scores`: ttft + a weight x its own prefill time (the compute it
-takes from later requests; the weight grows with the cluster's backlog) + a small weight x its
-decode time there (see `scores`). The weights were set on the simulator (`cluster/sim`, the
-Mooncake conversation trace and the synthetic workloads), where they gave the lowest TTFT.
+The `cost` policy minimises `scores`: the ttft plus what the choice costs other requests (the
+compute a recomputed prefix takes from them, the wait a long prefill imposes on the requests
+that want that worker), with the part of the ttft past a tail threshold weighed more. The
+weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace, two seeds,
+docs/benchmarks.md), where they met the hit-rate and TTFT goals in most settings.
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
 once the worker has measured them; until then the priors below stand in (their step time grows
@@ -52,15 +53,18 @@ class CostConfig:
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
-    compute_weight: float = 16.0  # `scores`: seconds of score per second of prefill it adds
-    # the compute weight shrinks as (long_ttft_s / best TTFT) ** long_power for a request whose
-    # best predicted TTFT (over all workers) is longer: such requests make the TTFT tail, and
-    # for them a wait behind a busy cached worker costs more than the recompute saves;
-    # 0: no shrinking
-    long_ttft_s: float = 0.5
-    long_power: float = 2.0
-    backlog_weight: float = 4.0  # `scores`: growth of the compute weight with the backlog
-    decode_weight: float = 0.25  # `scores`: seconds of score per second of its own decode
+    # `scores` (see there), seconds of score per second of:
+    compute_weight: float = 24.0  # prefill the request adds (recompute of a prefix held elsewhere)
+    long_ttft_s: float = 0.75  # ... x (long_ttft_s / best TTFT) ** long_power past it (0: off)
+    long_power: float = 1.0
+    busy_weight: float = 4.0  # ... x (1 + busy_weight x busy share ** busy_power)
+    busy_power: float = 4.0
+    backlog_weight: float = 4.0  # growth of the compute weight with the backlog
+    tail_ttft_s: float = 3.0  # predicted TTFT past this (the tail) counts `tail_weight` more
+    tail_weight: float = 8.0
+    affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
+    affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
+    decode_weight: float = 0.25  # its own decode time there
 
 
 class Speeds(NamedTuple):
@@ -125,38 +129,50 @@ class CostModel:
         return wait + prefill + step
 
     def scores(self, request: RouteRequest, views: Sequence[WorkerView]) -> list[float]:
-        """What `cost` minimises, per view: TTFT plus a weight x the prefill work it adds.
+        """What `cost` minimises, per view: the TTFT there plus the harm to other requests.
 
-        TTFT alone is myopic: recomputing a prefix another worker holds burns capacity that
-        later requests wait for. With an idle worker around that costs little (the weight is
-        `compute_weight`). Under backlog (even the least loaded worker has `rho` seconds of
-        wait) every second of added prefill delays the requests that queue before the backlog
-        clears, about rho / s of them for requests of prefill time s: the weight grows by that.
-
-        The weight shrinks for a request whose best predicted TTFT is longer than `long_ttft_s`
-        (by the square of that ratio): such requests make the TTFT tail, where waiting behind
-        the worker that holds their prefix hurts more than recomputing part of it elsewhere.
-
-        A small `decode_weight` x the request's decode time there (expected output x the step
-        time of the batch it joins) keeps an idle cluster from stacking every new conversation
-        on the worker that holds a shared system prompt: its batch, and every step, grows.
+        - Compute: recomputing a prefix another worker holds burns capacity that later requests
+          wait for: `compute_weight` x its prefill time. The weight grows with the share of
+          workers that have a queue (as `busy_weight x share ** busy_power`: when most are busy,
+          lost hits turn into queueing), and under backlog (even the least loaded worker has
+          `rho` s of wait, so about rho / s requests of prefill time s queue before it clears).
+          It shrinks for a request whose best predicted TTFT is past `long_ttft_s`: for such a
+          request a wait behind the busy worker that holds its prefix costs more than it saves.
+        - Tail: the part of the TTFT past `tail_ttft_s` counts `tail_weight` times more, so a
+          request is not left to wait into the tail for the sake of its cached prefix.
+        - Affinity: while a worker computes this prefill (P s), the requests whose prefix it
+          holds arrive at `affinity_rate` and wait P / 2 on average, or recompute elsewhere:
+          `affinity_weight x rate x P^2 / 2`, times `share ** busy_power` (with idle workers
+          around they have somewhere cheap to go). It keeps long uncached prompts off the
+          workers that hold the live conversations.
+        - Decode: a small `decode_weight` x its decode time there (expected output x the step
+          time of the batch it joins) keeps an idle cluster from stacking every conversation on
+          the worker that holds a shared system prompt.
         """
+        cfg = self.config
         estimates = [self._estimate(request, view) for view in views]
         full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
         best_s = min(e[0] + e[1] + e[2] for e in estimates)
-        compute, long_s = self.config.compute_weight, self.config.long_ttft_s
-        if long_s > 0 and best_s > long_s:
-            compute *= (long_s / best_s) ** self.config.long_power
+        busy = (sum(1 for v in views if v.queue_s > 0) / len(views)) ** cfg.busy_power
+        compute = cfg.compute_weight * (1.0 + cfg.busy_weight * busy)
+        if cfg.long_ttft_s > 0 and best_s > cfg.long_ttft_s:
+            compute *= (cfg.long_ttft_s / best_s) ** cfg.long_power
         weight = 1.0 + compute
         rho = min(e[0] for e in estimates)
         if rho > 0:
-            weight += self.config.backlog_weight * rho / full_s
-        decode = self.config.decode_weight * request.expected_output
-        growth = self.config.decode_step_per_request_s
-        return [
-            wait + weight * prefill + step + decode * (step + growth)
-            for wait, prefill, step, _ in estimates
-        ]
+            weight += cfg.backlog_weight * rho / full_s
+        affinity = cfg.affinity_weight * busy / 2
+        decode = cfg.decode_weight * request.expected_output
+        growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
+        scores = []
+        for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
+            ttft = wait + prefill + step
+            score = ttft + (weight - 1.0) * prefill + decode * (step + growth)
+            score += affinity * view.affinity_rate * prefill * prefill
+            if ttft > tail_s:
+                score += cfg.tail_weight * (ttft - tail_s)
+            scores.append(score)
+        return scores
 
     # The two below run once per worker per request: plain tuples and no helper calls, for speed.
 

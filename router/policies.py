@@ -53,6 +53,7 @@ class WorkerView:
     active_tokens: int = 0  # booked KV footprint: prompt + expected output
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
+    affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here
 
     @property
     def load(self) -> int:

@@ -22,6 +22,9 @@ def model(long_ttft_s: float) -> CostModel:
             decode_weight=0.0,
             compute_weight=16.0,
             long_ttft_s=long_ttft_s,
+            long_power=2.0,
+            busy_weight=0.0,  # the knobs below are tested in test_cost_harms.py
+            tail_weight=0.0,
         )
     )
 

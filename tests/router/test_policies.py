@@ -144,7 +144,7 @@ def test_cost_values_a_host_hit_between_device_hit_and_miss() -> None:
     policy = make_policy("cost")
     ws = views({"matched_blocks": 240}, {"host_blocks": 240}, {})
     assert policy.choose(request(4000), ws).worker_id == "w0"
-    ws[0].queue_s = 1.0  # the device hit is busy: the host hit beats recomputing
+    ws[0].queue_s = 2.0  # the device hit is busy: the host hit beats recomputing
     assert policy.choose(request(4000), ws).worker_id == "w1"
 
 

@@ -1,0 +1,84 @@
+"""The harms `cost` weighs besides a request's own TTFT: its TTFT past the tail threshold, the
+compute weight growing with the share of busy workers, and the delay a long prefill imposes on
+the requests that want the worker (its affinity rate). Each test turns the other knobs off."""
+
+from __future__ import annotations
+
+from router.cost_model import CostConfig, CostModel
+from router.policies import RouteRequest, WorkerView
+
+SPEED = 1000.0  # tokens/s: a prompt of N uncached tokens takes N / 1000 s
+
+
+def model(**knobs: float) -> CostModel:
+    base = dict(
+        prefill_tokens_per_s=SPEED, attention_knee_tokens=0, decode_weight=0.0,
+        compute_weight=16.0, long_ttft_s=0.0, busy_weight=0.0, backlog_weight=0.0,
+        tail_weight=0.0, affinity_weight=0.0,
+    )  # fmt: skip
+    return CostModel(CostConfig(**{**base, **knobs}))
+
+
+def pick(cost_model: CostModel, request: RouteRequest, views: list[WorkerView]) -> str:
+    scores = cost_model.scores(request, views)
+    return views[scores.index(min(scores))].worker_id
+
+
+def tail_case() -> tuple[RouteRequest, list[WorkerView]]:
+    """2,000 tokens, 1,500 cached behind a 6 s queue (TTFT 6.5 s) or none on an idle worker
+    (2 s)."""
+    request = RouteRequest("r", 2000, 125, block_size=16)
+    return request, [WorkerView("cached", matched_blocks=94, queue_s=6.0), WorkerView("idle")]
+
+
+def test_without_the_tail_weight_the_request_waits_for_its_cached_prefix() -> None:
+    assert pick(model(), *tail_case()) == "cached"
+
+
+def test_a_wait_into_the_tail_outweighs_the_recompute() -> None:
+    assert pick(model(tail_ttft_s=3.0, tail_weight=8.0), *tail_case()) == "idle"
+
+
+def test_the_tail_weight_leaves_choices_under_the_threshold_alone() -> None:
+    assert pick(model(tail_ttft_s=7.0, tail_weight=8.0), *tail_case()) == "cached"
+
+
+def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
+    """1,000 tokens, half cached on a worker 10 s behind; seven others hold nothing."""
+    request = RouteRequest("r", 1000, 62, block_size=16)
+    views = [WorkerView("cached", matched_blocks=31, queue_s=10.0)]
+    views += [WorkerView(f"w{i}", queue_s=others_queue_s) for i in range(7)]
+    return request, views
+
+
+def test_with_idle_workers_around_the_request_leaves_its_busy_cached_worker() -> None:
+    busy = model(busy_weight=3.0, busy_power=4.0)
+    assert pick(busy, *busy_case(others_queue_s=0.0)) != "cached"
+
+
+def test_when_every_worker_is_busy_the_recompute_costs_more_and_it_stays() -> None:
+    busy = model(busy_weight=3.0, busy_power=4.0)
+    assert pick(busy, *busy_case(others_queue_s=0.5)) == "cached"
+    assert pick(model(), *busy_case(others_queue_s=0.5)) != "cached"  # the busy share decides
+
+
+def affinity_case(queue_a: float, queue_b: float) -> tuple[RouteRequest, list[WorkerView]]:
+    """10,000 uncached tokens (10 s of prefill); `a` holds live conversations (1 arrival/s
+    wants it), `b` holds none."""
+    request = RouteRequest("r", 10_000, 625, block_size=16)
+    return request, [
+        WorkerView("a", queue_s=queue_a, affinity_rate=1.0),
+        WorkerView("b", queue_s=queue_b, affinity_rate=0.0),
+    ]
+
+
+def test_a_long_prefill_goes_where_fewer_requests_want_the_worker() -> None:
+    case = affinity_case(queue_a=0.1, queue_b=0.6)
+    assert pick(model(affinity_weight=4.0), *case) == "b"
+    assert pick(model(), *case) == "a"  # else: the shorter queue
+
+
+def test_with_no_busy_worker_the_affinity_harm_is_zero() -> None:
+    request, views = affinity_case(queue_a=0.0, queue_b=0.0)
+    with_harm = model(affinity_weight=4.0).scores(request, views)
+    assert with_harm == model().scores(request, views)
