@@ -25,17 +25,18 @@ def distinct_blocks(path: str) -> int:
     return len({h for row in read_trace(path) for h in row["hash_ids"]})
 
 
-def speed_for(path: str, workers: int, load: float) -> float:
+def speed_for(path: str, workers: int, load: float, seed: int) -> float:
+    """As `radixray simulate --load` finds it (the seed spreads the arrivals it measures)."""
     from cluster.sim.cli import speed_for_load
 
-    return speed_for_load(trace_workload(path), workers, h100_llama3_8b(), load)
+    return speed_for_load(trace_workload(path, 1.0, seed), workers, h100_llama3_8b(), load)
 
 
 def run_setting(
     path: str, workers: int, kv_tokens: int, load: float, policies: list[str], seed: int
 ) -> dict:
     profile = h100_llama3_8b()
-    speed = speed_for(path, workers, load)
+    speed = speed_for(path, workers, load, seed)
     workload: Workload = trace_workload(path, speed, seed)
     results = []
     for name in policies:

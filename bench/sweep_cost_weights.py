@@ -28,7 +28,7 @@ BEST_OTHER = {
 }
 
 
-def run_setting(setting: tuple[int, int, float], weights: dict, trace: str) -> dict:
+def run_setting(setting: tuple[int, int, float], weights: dict, trace: str, seed: int) -> dict:
     import cluster.sim.routing as routing
     from cluster.sim.cli import add_simulate_args, run_simulate
     from router.cost_model import CostConfig
@@ -39,7 +39,7 @@ def run_setting(setting: tuple[int, int, float], weights: dict, trace: str) -> d
     workers, kv_tokens, load = setting
     args = parser.parse_args([
         "--trace", trace, "--workers", str(workers), "--kv-tokens", str(kv_tokens),
-        "--load", str(load), "--policy", "cost", "--json", "--no-progress",
+        "--load", str(load), "--policy", "cost", "--json", "--no-progress", "--seed", str(seed),
     ])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -65,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("weights", nargs="?", default="{}", help="CostConfig overrides, JSON")
     parser.add_argument("--trace", default=str(TRACE))
+    parser.add_argument("--seed", type=int, default=0, help="the baseline run's seed")
     parser.add_argument("--baseline", metavar="JSON", help="the other policies' figures: a "
                         "saved matrix run (default: the figures in docs/benchmarks.md)")
     args = parser.parse_args()
@@ -73,7 +74,9 @@ def main() -> None:
     settings = list(baseline)
     with ProcessPoolExecutor(2) as pool:
         n = len(settings)
-        results = list(pool.map(run_setting, settings, [weights] * n, [args.trace] * n))
+        results = list(pool.map(
+            run_setting, settings, [weights] * n, [args.trace] * n, [args.seed] * n
+        ))
     met = {"hit": 0, "mean": 0, "p99": 0, "all": 0}
     for setting, r in zip(settings, results, strict=True):
         best_mean, best_p99 = baseline[setting]
