@@ -60,7 +60,7 @@ class CostConfig:
     busy_weight: float = 4.0  # ... x (1 + busy_weight x busy share ** busy_power)
     busy_power: float = 4.0
     backlog_weight: float = 4.0  # growth of the compute weight with the backlog
-    tail_ttft_s: float = 3.0  # predicted TTFT past this (the tail) counts `tail_weight` more
+    tail_ttft_s: float = 4.0  # predicted TTFT past this (the tail) counts `tail_weight` more
     tail_weight: float = 8.0
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
