@@ -19,9 +19,10 @@ under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,6 +41,7 @@ from router.service import Router, WorkerControl
 from router.tokenizer import Tokenizer
 
 WORKER_HEADER = "X-Radixray-Worker"
+OFFLOAD_BYTES = 8_192  # request bodies this large are parsed and tokenized off the loop
 
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/workers", "/health"}
@@ -56,21 +58,12 @@ def endpoint_label(path: str) -> str:
 
 
 def _json(obj: Any, status: int = 200, worker: str = "none") -> Response:
-    return Response(
-        json.dumps(obj, separators=(",", ":")),
-        status_code=status,
-        media_type="application/json",
-        headers={WORKER_HEADER: worker},
-    )
+    body = json.dumps(obj, separators=(",", ":"))
+    return Response(body, status, {WORKER_HEADER: worker}, "application/json")
 
 
 def _error(exc: APIError) -> Response:
-    return Response(
-        exc.body_bytes(),
-        status_code=exc.status,
-        media_type="application/json",
-        headers={WORKER_HEADER: "none"},
-    )
+    return Response(exc.body_bytes(), exc.status, {WORKER_HEADER: "none"}, "application/json")
 
 
 class _Guard:
@@ -123,8 +116,18 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, cls: type, router: Router) -> Any:
-    return parse_body(cls, await _read_body(request, router.config.max_body_bytes))
+async def _job(
+    request: Request, cls: type, make: Callable[[Any, str | None], Job], router: Router
+) -> tuple[Any, Job]:
+    """The parsed body and its job. A body of `OFFLOAD_BYTES` or more is parsed and tokenized
+    on a worker thread (long texts release the GIL), so the loop goes on streaming meanwhile."""
+    raw = await _read_body(request, router.config.max_body_bytes)
+
+    def build() -> tuple[Any, Job]:
+        body = parse_body(cls, raw)
+        return body, make(body, request.headers.get("x-session-id"))
+
+    return await asyncio.to_thread(build) if len(raw) >= OFFLOAD_BYTES else build()
 
 
 def create_app(
@@ -171,8 +174,7 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
 def _add_openai_routes(app: FastAPI, router: Router) -> None:
     async def completions(request: Request) -> Response:
         await router.start()
-        body = await _parse(request, CompletionRequest, router)
-        job = router.completion_job(body, request.headers.get("x-session-id"))
+        body, job = await _job(request, CompletionRequest, router.completion_job, router)
         renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
         return await _serve(
             router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
@@ -180,8 +182,7 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
 
     async def chat(request: Request) -> Response:
         await router.start()
-        body = await _parse(request, ChatRequest, router)
-        job = router.chat_job(body, request.headers.get("x-session-id"))
+        body, job = await _job(request, ChatRequest, router.chat_job, router)
         top = (body.top_logprobs or 0) if body.logprobs else None
         renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
         return await _serve(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
+LONG_TEXT_CHARS = 4_096  # texts this long are tokenized with the GIL released
 
 
 class Tokenizer:
@@ -39,15 +40,20 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completion prompt (with the model's BOS if it uses one)."""
-        if self.fast is not None:
-            return self.fast.encode(text, add_special_tokens=True).ids
-        return list(self.hf.encode(text, add_special_tokens=True))
+        return self._encode(text, True)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of a piece of text alone (no BOS): for re-tokenizing generated text."""
-        if self.fast is not None:
-            return self.fast.encode(text, add_special_tokens=False).ids
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self._encode(text, False)
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        if self.fast is None:
+            return list(self.hf.encode(text, add_special_tokens=special))
+        if len(text) < LONG_TEXT_CHARS:
+            return self.fast.encode(text, add_special_tokens=special).ids
+        # The same ids; `encode_batch` releases the GIL while it works (`encode` holds it), so a
+        # long prompt tokenized off the event loop (router.app) does not stall the loop.
+        return self.fast.encode_batch([text], add_special_tokens=special)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if len(ids) == 1:  # streaming decodes single tokens all the time: remember them

@@ -1,0 +1,77 @@
+"""Long prompts: their bodies are parsed and tokenized on a worker thread, not on the event
+loop, with the same token ids, and their errors still come back in the OpenAI format."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
+
+from router.app import OFFLOAD_BYTES, create_app  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import LONG_TEXT_CHARS, Tokenizer  # noqa: E402
+
+LONG = " ".join(f"word{i % 997} and {i % 13}" for i in range(6000))  # ~90 KB
+assert len(LONG) > max(OFFLOAD_BYTES, LONG_TEXT_CHARS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(tiny_dir())
+
+
+@pytest.fixture(scope="module")
+def live(tokenizer):
+    workers = [FakeWorker("w0", max_context=1 << 16), FakeWorker("w1", max_context=1 << 16)]
+    app = create_app(RouterConfig(model="tiny"), workers, tokenizer=tokenizer)
+    router = app.state.router
+    threads: list[str] = []
+    build = router.completion_job
+
+    def recording(body, session_id):
+        threads.append(threading.current_thread().name)
+        return build(body, session_id)
+
+    router.completion_job = recording
+    with LiveServer(app) as server:
+        server.threads = threads
+        yield server
+
+
+def test_long_texts_tokenize_to_the_same_ids(tokenizer) -> None:
+    assert tokenizer.encode(LONG) == tokenizer.hf.encode(LONG, add_special_tokens=True)
+    assert tokenizer.encode_plain(LONG) == tokenizer.hf.encode(LONG, add_special_tokens=False)
+
+
+def test_a_long_prompt_is_tokenized_off_the_loop(live, tokenizer) -> None:
+    def complete(prompt: str) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 3}
+        resp = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    short = complete("a short prompt")
+    long = complete(LONG)
+    assert long["usage"]["prompt_tokens"] == len(tokenizer.encode(LONG))
+    assert short["usage"]["prompt_tokens"] == len(tokenizer.encode("a short prompt"))
+    loop_thread, worker_thread = live.threads[-2:]
+    assert loop_thread != worker_thread  # the short one on the loop, the long one elsewhere
+    assert worker_thread.startswith("asyncio")  # the loop's default executor
+
+
+def test_a_bad_long_request_gets_an_openai_error(live) -> None:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": LONG}],
+        "top_logprobs": 2,  # without logprobs: rejected while the job is built, off the loop
+    }
+    resp = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "top_logprobs" and error["type"] == "invalid_request_error"
