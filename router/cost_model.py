@@ -65,6 +65,7 @@ class CostConfig:
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
     decode_weight: float = 0.25  # its own decode time there
+    idle_weight: float = 2.0  # the compute weight on an idle worker (nothing booked, reported)
 
 
 class Speeds(NamedTuple):
@@ -138,6 +139,10 @@ class CostModel:
           `rho` s of wait, so about rho / s requests of prefill time s queue before it clears).
           It shrinks for a request whose best predicted TTFT is past `long_ttft_s`: for such a
           request a wait behind the busy worker that holds its prefix costs more than it saves.
+          On an idle worker (nothing booked or reported) the weight is only `idle_weight`:
+          nobody waits behind it now, so a prefix every worker needs (a shared system prompt)
+          gets computed there once instead of every request piling onto the workers that
+          hold it.
         - Tail: the part of the TTFT past `tail_ttft_s` counts `tail_weight` times more, so a
           request is not left to wait into the tail for the sake of its cached prefix.
         - Affinity: while a worker computes this prefill (P s), the requests whose prefix it
@@ -167,7 +172,9 @@ class CostModel:
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
-            score = ttft + (weight - 1.0) * prefill + decode * (step + growth)
+            idle = view.load == 0 and view.queue_s <= 0
+            harm = min(cfg.idle_weight, weight - 1.0) if idle else weight - 1.0
+            score = ttft + harm * prefill + decode * (step + growth)
             score += affinity * view.affinity_rate * prefill * prefill
             if ttft > tail_s:
                 score += cfg.tail_weight * (ttft - tail_s)

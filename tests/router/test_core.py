@@ -86,6 +86,16 @@ def test_a_burst_on_one_prefix_follows_the_first_request_then_spills() -> None:
     assert len({d.worker_id for d in decisions}) > 1
 
 
+def test_a_prefix_held_by_a_busy_worker_is_not_recomputed_on_a_busy_one() -> None:
+    core, _ = make_core(2)
+    core.route("other", block_hashes([9] * 4160), 4160, 50)  # w0 busy, nothing shared
+    shared = list(range(4000))
+    first = core.route("r0", block_hashes(shared + [0] * 160), 4160, 50)
+    assert first.worker_id == "w1"
+    nxt = [core.route(f"r{i}", block_hashes(shared + [i] * 160), 4160, 50) for i in range(1, 6)]
+    assert all(d.worker_id == "w1" and d.cached_tokens == 4000 for d in nxt)
+
+
 def test_optimistic_entries_are_confirmed_or_expire() -> None:
     core, clock = make_core(2, ttl_s=5.0)
     worker = core.route("r1", HASHES, len(PROMPT), 10).worker_id

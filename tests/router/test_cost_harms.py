@@ -25,10 +25,11 @@ def pick(cost_model: CostModel, request: RouteRequest, views: list[WorkerView]) 
 
 
 def tail_case() -> tuple[RouteRequest, list[WorkerView]]:
-    """2,000 tokens, 1,500 cached behind a 6 s queue (TTFT 6.5 s) or none on an idle worker
-    (2 s)."""
+    """2,000 tokens, 1,500 cached behind a 6 s queue (TTFT 6.5 s) or none on a worker with no
+    queue (2 s)."""
     request = RouteRequest("r", 2000, 125, block_size=16)
-    return request, [WorkerView("cached", matched_blocks=94, queue_s=6.0), WorkerView("idle")]
+    free = WorkerView("free", requests=1)  # decoding, no prefill queue
+    return request, [WorkerView("cached", matched_blocks=94, queue_s=6.0), free]
 
 
 def test_without_the_tail_weight_the_request_waits_for_its_cached_prefix() -> None:
@@ -36,7 +37,7 @@ def test_without_the_tail_weight_the_request_waits_for_its_cached_prefix() -> No
 
 
 def test_a_wait_into_the_tail_outweighs_the_recompute() -> None:
-    assert pick(model(tail_ttft_s=3.0, tail_weight=8.0), *tail_case()) == "idle"
+    assert pick(model(tail_ttft_s=3.0, tail_weight=8.0), *tail_case()) == "free"
 
 
 def test_the_tail_weight_leaves_choices_under_the_threshold_alone() -> None:

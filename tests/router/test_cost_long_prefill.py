@@ -34,7 +34,7 @@ def choice(cost_model: CostModel, tokens: int) -> str:
     half_prefill_s = tokens / 2 / SPEED
     views = [
         WorkerView("cached", matched_blocks=tokens // 32, queue_s=5 * half_prefill_s),
-        WorkerView("idle"),
+        WorkerView("idle", requests=1),  # decoding: not idle, no queue
     ]
     scores = cost_model.scores(request, views)
     return views[scores.index(min(scores))].worker_id

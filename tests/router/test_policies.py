@@ -132,12 +132,19 @@ def test_cost_trades_locality_for_load_gradually() -> None:
     assert chosen == ["w0"] * 4 + ["w1"] * 3
     assert 0.7 < 1.5 * full_prefill_s < 0.8
     default = make_policy("cost")  # a larger compute weight moves the switch, keeps it single
-    chosen = []
-    for queue_s in range(0, 20):
-        ws = views({"matched_blocks": 240, "queue_s": float(queue_s)}, {})
-        chosen.append(default.choose(request(4000), ws).worker_id)
-    switch = chosen.index("w1")
-    assert switch > 1 and chosen == ["w0"] * switch + ["w1"] * (20 - switch)
+
+    def switch(other: dict) -> int:
+        chosen = []
+        for queue_s in range(0, 20):
+            ws = views({"matched_blocks": 240, "queue_s": float(queue_s)}, other)
+            chosen.append(default.choose(request(4000), ws).worker_id)
+        at = chosen.index("w1")
+        assert chosen == ["w0"] * at + ["w1"] * (20 - at)
+        return at
+
+    busy = switch({"requests": 1})  # w1 decodes: recomputing there delays its requests
+    assert busy > 1
+    assert 0 < switch({}) < busy  # an idle w1: nobody waits behind the recompute
 
 
 def test_cost_values_a_host_hit_between_device_hit_and_miss() -> None:
