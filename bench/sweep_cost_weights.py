@@ -70,6 +70,8 @@ def main() -> None:
                         "saved matrix run (default: the figures in docs/benchmarks.md)")
     args = parser.parse_args()
     weights = json.loads(args.weights)
+    if args.seed and not args.baseline:
+        parser.error("--seed needs a --baseline run of the same seed (the default is seed 0's)")
     baseline = best_other(args.baseline) if args.baseline else BEST_OTHER
     settings = list(baseline)
     with ProcessPoolExecutor(2) as pool:

@@ -14,7 +14,7 @@ both slowed by the decode work that rides along every chunk:
 The `cost` policy minimises `scores`: the ttft plus what the choice costs other requests (the
 compute a recomputed prefix takes from them, the wait a long prefill imposes on the requests
 that want that worker), with the part of the ttft past a tail threshold weighed more. The
-weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace, two seeds,
+weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace, three seeds,
 docs/benchmarks.md), where they met the hit-rate and TTFT goals in most settings.
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
