@@ -12,7 +12,8 @@ draining and excluded workers, and handles session pins; a policy only chooses.
 - `kv_cost`: NVIDIA Dynamo's KV router: minimise overlap_weight x prefill blocks (booked plus
   this request's uncached ones) + active blocks (booked plus this request's).
 - `e2`: Preble's exploit/explore: if the best match covers more tokens than it leaves to compute,
-  exploit it; else explore: least load + eviction cost + own prefill time.
+  exploit it; else explore: least load + eviction cost + own prefill time; then Preble's
+  rebalancing: a worker far above the least load gets no more (the least loaded one does).
 - `cost` (default): the least predicted time to first token (`router.cost_model`: queued
   prefill, waits for a running slot or KV room, own uncached prefill), plus a weight x the
   prefill work the choice adds (recomputing a prefix costs later requests capacity; more so
@@ -93,6 +94,8 @@ class PolicyConfig:
     balance_abs_threshold: int = 64  # cache_aware: imbalanced if max - min load exceeds this
     balance_rel_threshold: float = 1.5  # ... and max load exceeds this times the min
     overlap_weight: float = 1.0  # kv_cost: weight of prefill blocks against active blocks
+    e2_balance_ratio: float = 2.0  # e2: a worker with more than this x the least load ...
+    e2_balance_floor_s: float = 1.0  # ... plus this many seconds of work is overloaded
     cost: CostConfig = field(default_factory=CostConfig)
 
 
@@ -207,25 +210,42 @@ class KvCost(Policy):
 
 
 class E2(Policy):
-    """Preble's E2: exploit a long shared prefix, else explore by load + eviction + prefill."""
+    """Preble's E2: exploit a long shared prefix, else explore by load + eviction + prefill;
+    then its post-assignment rebalancing: a request bound for an overloaded worker goes to the
+    least loaded one instead (which then holds the prefix too: hot prefixes spread).
+
+    Load is a worker's booked work in seconds (queued prefill, waits for a slot or KV room, and
+    its decode), the counterpart of Preble's recent compute per GPU; a worker is overloaded
+    past `e2_balance_ratio` x the least load + `e2_balance_floor_s`.
+    """
 
     name = "e2"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         model = self.cost_model
+        loads = []
+        explore = []
+        for w in workers:
+            wait, prefill, step = model.estimate(request, w)
+            load = wait + step * w.decode_tokens / max(1, w.load)
+            loads.append(load)
+            explore.append(load + model.eviction_s(request, w) + prefill)
         best = max(w.matched_blocks for w in workers)
         cached = min(best * request.block_size, request.num_tokens)
         if best and cached > request.num_tokens - cached:
             top = [w for w in workers if w.matched_blocks == best]
             chosen = self._argmin(top, lambda w: model.ttft_s(request, w))
-            return Decision(chosen.worker_id, "exploit")
-
-        def explore_cost(w: WorkerView) -> float:
-            wait, prefill, step = model.estimate(request, w)
-            decode_s = step * w.decode_tokens / max(1, w.load)
-            return wait + decode_s + model.eviction_s(request, w) + prefill
-
-        return Decision(self._argmin(workers, explore_cost).worker_id, "explore")
+            reason = "exploit"
+        else:
+            chosen, reason = self._pick(workers, explore), "explore"
+        lightest = self._pick(workers, loads)
+        cfg = self.config
+        load_of = {w.worker_id: load for w, load in zip(workers, loads, strict=True)}
+        if load_of[chosen.worker_id] > (
+            cfg.e2_balance_ratio * load_of[lightest.worker_id] + cfg.e2_balance_floor_s
+        ):
+            return Decision(lightest.worker_id, "load_balance")
+        return Decision(chosen.worker_id, reason)
 
 
 class Cost(Policy):

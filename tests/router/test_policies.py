@@ -113,6 +113,19 @@ def test_e2_exploits_a_long_match_and_explores_otherwise() -> None:
     assert (decision.worker_id, decision.reason) == ("w1", "explore")
 
 
+def test_e2_rebalances_a_request_bound_for_an_overloaded_worker() -> None:
+    # Preble's post-assignment rebalancing: the holder of a long prefix would be exploited,
+    # but its booked work (2 s of queue) is past 2 x the least load (0) + 1 s
+    policy = make_policy("e2")
+    ws = views({"matched_blocks": 6, "requests": 3, "queue_s": 2.0}, {}, {"requests": 1})
+    decision = policy.choose(request(), ws)
+    assert (decision.worker_id, decision.reason) == ("w1", "load_balance")
+    ws[0].queue_s = 0.9  # within the floor: exploit as before
+    assert policy.choose(request(), ws).reason == "exploit"
+    ws[0].queue_s, ws[1].queue_s, ws[2].queue_s = 2.0, 0.6, 0.6  # 2 < 2 x 0.6 + 1
+    assert policy.choose(request(), ws).reason == "exploit"
+
+
 def test_cost_prefers_the_cached_worker_when_idle() -> None:
     ws = views({}, {"matched_blocks": 60}, {"matched_blocks": 20})
     decision = make_policy("cost").choose(request(1000), ws)
