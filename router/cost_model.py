@@ -66,6 +66,9 @@ class CostConfig:
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
     decode_weight: float = 0.25  # its own decode time there
     idle_weight: float = 2.0  # the compute weight on an idle worker (nothing booked, reported)
+    # True: a worker with no prefill queued counts as idle even while it decodes. Latency
+    # first: lower TTFT, fewer hits (Mooncake matrix: 0.74-0.89 of pooled; docs/benchmarks.md)
+    idle_while_decoding: bool = False
 
 
 class Speeds(NamedTuple):
@@ -139,7 +142,8 @@ class CostModel:
           `rho` s of wait, so about rho / s requests of prefill time s queue before it clears).
           It shrinks for a request whose best predicted TTFT is past `long_ttft_s`: for such a
           request a wait behind the busy worker that holds its prefix costs more than it saves.
-          On an idle worker (nothing booked or reported) the weight is only `idle_weight`:
+          On an idle worker (nothing booked or reported; with `idle_while_decoding`, nothing
+          queued to prefill) the weight is only `idle_weight`:
           nobody waits behind it now, so a prefix every worker needs (a shared system prompt)
           gets computed there once instead of every request piling onto the workers that
           hold it.
@@ -172,7 +176,7 @@ class CostModel:
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
-            idle = view.load == 0 and view.queue_s <= 0
+            idle = (view.load == 0 or cfg.idle_while_decoding) and view.queue_s <= 0
             harm = min(cfg.idle_weight, weight - 1.0) if idle else weight - 1.0
             score = ttft + harm * prefill + decode * (step + growth)
             score += affinity * view.affinity_rate * prefill * prefill

@@ -159,6 +159,12 @@ def test_cost_trades_locality_for_load_gradually() -> None:
     assert busy > 1
     assert 0 < switch({}) < busy  # an idle w1: nobody waits behind the recompute
 
+    # latency first: a decoding w1 with no prefill queued counts as idle too
+    default = make_policy("cost", PolicyConfig(cost=CostConfig(idle_while_decoding=True)))
+    decoding = switch({"requests": 1})
+    assert decoding < busy
+    assert switch({"requests": 1, "queue_s": 0.5}) >= busy  # a queue: not idle
+
 
 def test_cost_values_a_host_hit_between_device_hit_and_miss() -> None:
     policy = make_policy("cost")
