@@ -19,9 +19,11 @@ SlotIds = torch.Tensor | np.ndarray | Sequence[int]
 def as_int64_array(values: SlotIds) -> np.ndarray:
     """`values` as a 1-D int64 numpy array (no copy when it already is one on the CPU)."""
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu" or values.dtype != torch.int64:
-            values = values.to("cpu", torch.int64)
-        values = (values.detach() if values.requires_grad else values).numpy()
+        # The common case (a CPU int64 tensor without grad) in one call: checking the device
+        # and the grad flag first costs more than the conversion itself.
+        if values.dtype is not torch.int64 or values.requires_grad or not values.is_cpu:
+            values = values.detach().to("cpu", torch.int64)
+        values = values.numpy()
     if isinstance(values, np.ndarray):
         if values.dtype != np.int64:
             values = values.astype(np.int64)
