@@ -33,27 +33,27 @@ _K_30, _K_27, _K_31 = (np.array(np.uint64(s)) for s in (30, 27, 31))
 _NONE_SEED = 0x5A17C0DE2A11CE55
 _MASK = (1 << 64) - 1
 
+_add, _xor, _mul, _shift = np.add, np.bitwise_xor, np.multiply, np.right_shift
+
 _positions = np.zeros(0, dtype=np.uint64)
 
 
 def _mix_inplace(x: np.ndarray) -> np.ndarray:
     """splitmix64 of a uint64 array, in place (one scratch row, no other temporaries).
 
-    uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this)."""
+    uint64 array arithmetic wraps silently (no np.errstate needed: it costs more than this).
+    `out` is passed by position: the keyword costs ~0.1 us a call, a tenth of a 128-block mix.
+    """
     tmp = np.empty_like(x)
-    np.add(x, _K_GOLDEN, out=x)
-    np.right_shift(x, _K_30, out=tmp)
-    np.bitwise_xor(x, tmp, out=x)
-    np.multiply(x, _K_MUL1, out=x)
-    np.right_shift(x, _K_27, out=tmp)
-    np.bitwise_xor(x, tmp, out=x)
-    np.multiply(x, _K_MUL2, out=x)
-    np.right_shift(x, _K_31, out=tmp)
-    return np.bitwise_xor(x, tmp, out=x)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    return _mix_inplace(x.astype(np.uint64, copy=True))
+    _add(x, _K_GOLDEN, x)
+    _shift(x, _K_30, tmp)
+    _xor(x, tmp, x)
+    _mul(x, _K_MUL1, x)
+    _shift(x, _K_27, tmp)
+    _xor(x, tmp, x)
+    _mul(x, _K_MUL2, x)
+    _shift(x, _K_31, tmp)
+    return _xor(x, tmp, x)
 
 
 def _position_keys(n: int) -> np.ndarray:
