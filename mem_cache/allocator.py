@@ -49,8 +49,11 @@ def pages_to_slots(pages: np.ndarray, page_size: int) -> np.ndarray:
     """The slot ids of `pages`, page by page (a new array)."""
     if page_size == 1:
         return pages.astype(np.int64, copy=True)
-    # repeat + a cached offset row: much cheaper than broadcasting over rows of page_size.
-    slots = np.repeat(pages.astype(np.int64, copy=False) * page_size, page_size)
+    if pages.dtype != np.int64:
+        pages = pages.astype(np.int64)
+    # The repeat method + a cached offset row: much cheaper than broadcasting over rows of
+    # page_size, and than np.repeat (a Python wrapper around the method).
+    slots = (pages * page_size).repeat(page_size)
     slots += _page_offsets(page_size, len(slots))
     return slots
 
@@ -62,8 +65,10 @@ def slots_to_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
         return slots
     if len(slots) % page_size:
         raise ValueError(f"{len(slots)} slots are not whole pages of {page_size}")
+    if slots.dtype != np.int64:
+        slots = slots.astype(np.int64)
     pages = slots[::page_size] // page_size
-    if pages_to_slots(pages, page_size).tobytes() != slots.astype(np.int64, copy=False).tobytes():
+    if pages_to_slots(pages, page_size).tobytes() != slots.tobytes():
         raise ValueError("slots are not whole pages (contiguous, ascending, aligned)")
     return pages
 
