@@ -153,8 +153,12 @@ class RadixTree:
         return node.hashes[-1] if node.hashes else None
 
     def _gather(self: RadixCache, path: list[TreeNode]) -> torch.Tensor:
-        values = [node.value for node in path]
-        if not values or any(v is None for v in values):
+        values = []
+        for node in path:
+            if node.value is None:  # a pure index that was not given slots here
+                return _EMPTY.clone()
+            values.append(node.value)
+        if not values:
             return _EMPTY.clone()
         # Joining the int64 buffers costs half of np.concatenate for a path of small arrays,
         # and gives a new writable array (so page size 1 needs no second copy).
