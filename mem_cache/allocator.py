@@ -19,8 +19,8 @@ SlotIds = torch.Tensor | np.ndarray | Sequence[int]
 def as_int64_array(values: SlotIds) -> np.ndarray:
     """`values` as a 1-D int64 numpy array (no copy when it already is one on the CPU)."""
     if isinstance(values, torch.Tensor):
-        # The common case (a CPU int64 tensor without grad) in one call: checking the device
-        # and the grad flag first costs more than the conversion itself.
+        # Cheap attribute tests only: `values.device.type` builds a device object per call
+        # (~0.3 us, a third of the `.numpy()` it guards).
         if values.dtype is not torch.int64 or values.requires_grad or not values.is_cpu:
             values = values.detach().to("cpu", torch.int64)
         values = values.numpy()
