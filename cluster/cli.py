@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from cluster.admin import add_workers_args, run_workers
-from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig
+from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig, json_object
 from router.policies import POLICY_NAMES
 
 # mem_cache.radix_host.WRITE_POLICIES, named here so that `--help` needs no torch import
@@ -74,6 +74,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--policy", default=d["policy"].default, choices=POLICY_NAMES,
                         metavar="NAME", help="routing policy: " + ", ".join(POLICY_NAMES)
                         + " (default: %(default)s)")
+    router.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
+                        help="overrides of the cost policy's CostConfig, e.g. "
+                        "'{\"idle_while_decoding\": true}' (router/cost_model.py)")
     router.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                         f"(default: ${API_KEY_ENV})")

@@ -7,12 +7,27 @@ dataclasses are derived from it (`engine_config`), so a knob is named once.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+from router.config import cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"
 DEVICES = ("auto", "cpu", "cuda")
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 @dataclass
@@ -45,6 +60,7 @@ class ClusterConfig:
     ready_timeout_s: float = 900.0  # how long a worker may take to load its model
     watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
     namespace: str = "radixray"  # Ray namespace of the worker actors
+    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -57,6 +73,7 @@ class ClusterConfig:
             raise ValueError(f"port out of range: {self.port}")
         if self.gpus_per_worker <= 0 or self.cpus_per_worker <= 0:
             raise ValueError("gpus_per_worker and cpus_per_worker must be > 0")
+        cost_config(overrides=self.cost_config)  # unknown keys or bad values: ValueError now
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> ClusterConfig:

@@ -59,6 +59,7 @@ def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:
         policy=config.policy,
         api_key=config.api_key,
         block_size=config.block_size,
+        cost_config=dict(config.cost_config),
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+
+from router.cost_model import CostConfig
 
 
 @dataclass
@@ -27,6 +29,7 @@ class RouterConfig:
     event_poll_s / stats_poll_s: how often KV events / worker stats are pulled.
     revive_s: how often a worker marked dead is probed to see whether it came back.
     session_ttl_s: idle lifetime of a session's KV on its worker.
+    cost_config: overrides of the `cost` policy's `CostConfig` (field name -> value).
     """
 
     model: str = "tiny"
@@ -44,3 +47,22 @@ class RouterConfig:
     stats_poll_s: float = 0.5
     revive_s: float = 2.0
     session_ttl_s: float = 600.0
+    cost_config: dict = field(default_factory=dict)
+
+
+def cost_config(base: CostConfig | None = None, overrides: dict | None = None) -> CostConfig:
+    """`base` (default: the defaults) with `overrides` (field name -> value, e.g. parsed from
+    `--cost-config '{"idle_while_decoding": true}'`); unknown names raise ValueError."""
+    base = base or CostConfig()
+    overrides = overrides or {}
+    names = {f.name for f in fields(CostConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown cost config keys {unknown}; known: {sorted(names)}")
+    for name, value in overrides.items():
+        kind = type(getattr(base, name))  # bool, int or float
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (isinstance(value, bool) if kind is bool else number and (
+                kind is float or isinstance(value, int))):
+            raise ValueError(f"cost config {name!r} must be of type {kind.__name__}, got {value!r}")
+    return replace(base, **overrides)

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from router.backends import Backend
-from router.config import RouterConfig
+from router.config import RouterConfig, cost_config
 from router.core import CoreConfig, RoutingCore
 from router.dispatch import Dispatcher
 from router.errors import APIError, bad_request, model_not_found, not_implemented
 from router.generation import Job
 from router.metrics import RouterMetrics
 from router.openai_types import ChatRequest, CompletionRequest, SamplingFields
+from router.policies import PolicyConfig
 from router.tokenizer import Tokenizer
 from router.workers import WorkerRegistry
 from worker.protocol import SamplingParams
@@ -71,9 +72,10 @@ class Router:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer(config.tokenizer or config.model)
-        self.core = core or RoutingCore(
-            config=CoreConfig(policy=config.policy, block_size=config.block_size)
-        )
+        policies = PolicyConfig(cost=cost_config(overrides=config.cost_config))
+        self.core = core or RoutingCore(config=CoreConfig(
+            policy=config.policy, block_size=config.block_size, policies=policies
+        ))
         self.metrics = RouterMetrics()
         self.workers = WorkerRegistry(config, self.core, self.metrics)
         self.workers.encode = self.tokenizer.encode_plain

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from cluster.sim.time_model import TimeProfile, attended_pairs
 from cluster.sim.worker import SimWorker
+from router.config import cost_config
 from router.core import RoutingCore
 from router.cost_model import CostConfig
 from router.policies import PolicyConfig, make_policy
@@ -24,9 +25,15 @@ def prefill_speed(profile: TimeProfile) -> float:
 
 
 def make_core(
-    policy: str, clock: Callable[[], float], seed: int, block_tokens: int, profile: TimeProfile
+    policy: str,
+    clock: Callable[[], float],
+    seed: int,
+    block_tokens: int,
+    profile: TimeProfile,
+    cost_overrides: dict | None = None,
 ) -> RoutingCore:
-    """A `RoutingCore` running `policy` on the simulated `clock`."""
+    """A `RoutingCore` running `policy` on the simulated `clock` (`cost_overrides`: fields of
+    `CostConfig` set on top of the profile's speeds, as `--cost-config`)."""
     cost = CostConfig(
         prefill_tokens_per_s=prefill_speed(profile),
         decode_step_s=profile.step_s(0, 0, 1, 0),
@@ -36,7 +43,7 @@ def make_core(
         max_running=profile.max_running,
         host_load_tokens_per_s=1.0 / profile.host_load_token_s,
     )
-    config = PolicyConfig(seed=seed, cost=cost)
+    config = PolicyConfig(seed=seed, cost=cost_config(cost, cost_overrides))
     return RoutingCore(make_policy(policy, config), clock=clock, block_size=block_tokens)
 
 

@@ -16,7 +16,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cluster.progress import Progress
 from cluster.sim.routing import make_core, worker_stats
@@ -43,6 +43,7 @@ class SimConfig:
     seed: int = 0
     host_kv_tokens: int = 0  # host KV tier per worker (0: none)
     host_policy: str = "write_through"
+    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
 
 
 @dataclass(slots=True)
@@ -86,7 +87,9 @@ class Simulator:
             for i in range(config.workers)
         ]
         self.by_id = {w.worker_id: w for w in self.workers}
-        self.core = make_core(config.policy, lambda: self.now, config.seed, bt, profile)
+        self.core = make_core(
+            config.policy, lambda: self.now, config.seed, bt, profile, config.cost_config
+        )
         for w in self.workers:
             self.core.add_worker(w.worker_id, worker_stats(w))
             self.core.apply_events(encode_batch(w.worker_id, 0, 0, w.cache.snapshot_events()))

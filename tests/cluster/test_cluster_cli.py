@@ -23,7 +23,7 @@ from cluster.config import API_KEY_ENV, ClusterConfig
 
 SERVE_FLAGS = ("--model", "--workers", "--gpus-per-worker", "--device", "--host", "--port",
                "--policy", "--kv-tokens", "--page-size", "--host-kv-tokens", "--host-policy",
-               "--api-key", "--address")
+               "--api-key", "--address", "--cost-config")
 
 
 def test_serve_defaults_are_the_laptop_setup(monkeypatch):
@@ -55,6 +55,31 @@ def test_flags_map_onto_the_config():
         "small", 3, 9001, "round_robin", 4096, 16, "k", "auto")
     assert config.bundle("cuda") == {"CPU": 1.0, "GPU": 2.0}
     assert config.resolve_workers("cuda", cluster_gpus=8) == 3
+
+
+def test_cost_config_flag_reaches_the_routers_policy():
+    from cluster.router_link import router_config
+    from router.service import Router
+    from worker.models.builtin import builtin_model_path
+
+    tiny = str(builtin_model_path("tiny"))
+    args = build_parser().parse_args(
+        ["serve", "--cost-config", '{"idle_while_decoding": true, "idle_weight": 8}'])
+    cost = Router(router_config(ClusterConfig.from_args(args), tiny)).core.cost_model.config
+    assert (cost.idle_while_decoding, cost.idle_weight) == (True, 8)
+    default = Router(router_config(ClusterConfig(), tiny)).core.cost_model.config
+    assert (default.idle_while_decoding, default.idle_weight) == (False, 2.0)
+
+
+def test_bad_cost_config_fails_before_anything_starts(capsys):
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--cost-config", bad])
+        assert "--cost-config" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="idle_wieght"):
+        ClusterConfig.from_dict({"cost_config": {"idle_wieght": 8}})
+    with pytest.raises(ValueError, match="must be of type bool"):
+        ClusterConfig(cost_config={"idle_while_decoding": "yes"})
 
 
 def test_gpu_cluster_gets_one_worker_per_gpu_group():
