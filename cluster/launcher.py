@@ -63,6 +63,10 @@ class Launcher:
         t0 = time.monotonic()
         try:
             self._start_ray()
+            # Ray builds its serializer on first use and imports pydantic.v1 then. Done here,
+            # before the router's threads start, it cannot race their own pydantic imports
+            # (that race failed a CI run once: KeyError 'pydantic.v1' in placement_group.ready)
+            ray.put(None)
             gpus = ray.cluster_resources().get("GPU", 0.0)
             device = self.config.resolve_device(gpus)
             count = self.config.resolve_workers(device, gpus)
