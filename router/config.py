@@ -60,9 +60,13 @@ def cost_config(base: CostConfig | None = None, overrides: dict | None = None) -
     if unknown:
         raise ValueError(f"unknown cost config keys {unknown}; known: {sorted(names)}")
     for name, value in overrides.items():
-        kind = type(getattr(base, name))  # bool, int or float
-        number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (isinstance(value, bool) if kind is bool else number and (
-                kind is float or isinstance(value, int))):
-            raise ValueError(f"cost config {name!r} must be of type {kind.__name__}, got {value!r}")
+        kind = type(getattr(base, name))  # bool, int or float; an int does for a float
+        if kind is bool:
+            ok = isinstance(value, bool)
+        else:
+            ok = isinstance(value, int | float if kind is float else int)
+            ok = ok and not isinstance(value, bool)
+        if not ok:
+            wanted = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+            raise ValueError(f"cost config {name!r} must be {wanted}, got {value!r}")
     return replace(base, **overrides)

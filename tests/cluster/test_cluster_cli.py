@@ -78,7 +78,7 @@ def test_bad_cost_config_fails_before_anything_starts(capsys):
         assert "--cost-config" in capsys.readouterr().err
     with pytest.raises(ValueError, match="idle_wieght"):
         ClusterConfig.from_dict({"cost_config": {"idle_wieght": 8}})
-    with pytest.raises(ValueError, match="must be of type bool"):
+    with pytest.raises(ValueError, match="must be true or false"):
         ClusterConfig(cost_config={"idle_while_decoding": "yes"})
 
 
