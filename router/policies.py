@@ -121,13 +121,17 @@ class Policy(ABC):
 
     def _pick(self, workers: Sequence[WorkerView], keys: list[float]) -> WorkerView:
         """`workers[i]` with the least `keys[i]`, ties broken as in `_argmin`."""
+        return workers[self._pick_index(workers, keys)]
+
+    def _pick_index(self, workers: Sequence[WorkerView], keys: list[float]) -> int:
+        """The `i` of `_pick`."""
         low = min(keys)
         ties = [i for i, k in enumerate(keys) if k == low]
         self._turn += 1
         if len(ties) == 1:
-            return workers[ties[0]]
+            return ties[0]
         n, turn = len(workers), self._turn - 1
-        return workers[min(ties, key=lambda i: (workers[i].requests, (i - turn) % n))]
+        return min(ties, key=lambda i: (workers[i].requests, (i - turn) % n))
 
 
 def locality_reason(chosen: WorkerView, workers: Sequence[WorkerView]) -> str:
@@ -223,29 +227,29 @@ class E2(Policy):
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
         model = self.cost_model
-        loads = []
-        explore = []
-        for w in workers:
-            wait, prefill, step = model.estimate(request, w)
-            load = wait + step * w.decode_tokens / max(1, w.load)
-            loads.append(load)
-            explore.append(load + model.eviction_s(request, w) + prefill)
+        estimates = [model.estimate(request, w) for w in workers]
+        loads = [
+            e.wait_s + e.step_s * w.decode_tokens / max(1, w.load)
+            for e, w in zip(estimates, workers, strict=True)
+        ]
         best = max(w.matched_blocks for w in workers)
         cached = min(best * request.block_size, request.num_tokens)
         if best and cached > request.num_tokens - cached:
-            top = [w for w in workers if w.matched_blocks == best]
-            chosen = self._argmin(top, lambda w: model.ttft_s(request, w))
+            top = [i for i, w in enumerate(workers) if w.matched_blocks == best]
+            ttft = [e.wait_s + e.prefill_s + e.step_s for e in (estimates[i] for i in top)]
+            chosen = top[self._pick_index([workers[i] for i in top], ttft)]
             reason = "exploit"
         else:
-            chosen, reason = self._pick(workers, explore), "explore"
-        lightest = self._pick(workers, loads)
+            explore = [
+                load + model.eviction_s(request, w) + e.prefill_s
+                for load, e, w in zip(loads, estimates, workers, strict=True)
+            ]
+            chosen, reason = self._pick_index(workers, explore), "explore"
+        lightest = self._pick_index(workers, loads)
         cfg = self.config
-        load_of = {w.worker_id: load for w, load in zip(workers, loads, strict=True)}
-        if load_of[chosen.worker_id] > (
-            cfg.e2_balance_ratio * load_of[lightest.worker_id] + cfg.e2_balance_floor_s
-        ):
-            return Decision(lightest.worker_id, "load_balance")
-        return Decision(chosen.worker_id, reason)
+        if loads[chosen] > cfg.e2_balance_ratio * loads[lightest] + cfg.e2_balance_floor_s:
+            return Decision(workers[lightest].worker_id, "load_balance")
+        return Decision(workers[chosen].worker_id, reason)
 
 
 class Cost(Policy):

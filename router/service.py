@@ -72,10 +72,12 @@ class Router:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer(config.tokenizer or config.model)
-        policies = PolicyConfig(cost=cost_config(overrides=config.cost_config))
-        self.core = core or RoutingCore(config=CoreConfig(
-            policy=config.policy, block_size=config.block_size, policies=policies
-        ))
+        if core is None:
+            policies = PolicyConfig(cost=cost_config(overrides=config.cost_config))
+            core = RoutingCore(config=CoreConfig(
+                policy=config.policy, block_size=config.block_size, policies=policies
+            ))
+        self.core = core
         self.metrics = RouterMetrics()
         self.workers = WorkerRegistry(config, self.core, self.metrics)
         self.workers.encode = self.tokenizer.encode_plain

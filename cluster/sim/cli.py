@@ -69,7 +69,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds before KV events and stats reach the router")
     parser.add_argument("--profile", default=None,
                         help="time profile JSON (default: H100 + Llama 3 8B)")
-    parser.add_argument("--cost-config", type=json_object, default={}, metavar="JSON",
+    parser.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
                         help="overrides of the cost policy's CostConfig (as for serve)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="FILE.png")
@@ -124,7 +124,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if args.workers <= 0 or not policies:
             raise ValueError("need at least one worker and one policy")
-        cost_config(overrides=args.cost_config)  # unknown keys or bad values, before the runs
+        cost = args.cost_config or {}
+        cost_config(overrides=cost)  # unknown keys or bad values, before the runs
     except (ValueError, OSError) as exc:
         print(f"radixray simulate: {exc}", file=sys.stderr)
         return 2
@@ -133,7 +134,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for name in policies:
         config = SimConfig(args.workers, kv_tokens, name, args.event_delay, seed=args.seed,
                            host_kv_tokens=args.host_kv_tokens, host_policy=args.host_policy,
-                           cost_config=args.cost_config)
+                           cost_config=cost)
         started = time.perf_counter()
         try:
             results.append(simulate(workload, config, profile, not args.no_progress))
