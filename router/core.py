@@ -87,7 +87,7 @@ class RoutingCore:
             self._views[worker_id] = WorkerView(worker_id)
             self.index.add_worker(worker_id)
         if stats is not None:
-            self._views[worker_id].stats = stats
+            self.update_stats(stats)
         self._observe_fleet()
 
     def remove_worker(self, worker_id: str) -> list[str]:
@@ -112,6 +112,8 @@ class RoutingCore:
         view = self._views.get(stats.worker_id)
         if view is not None:
             view.stats = stats
+            booked = self.ledger.load(stats.worker_id, self.clock()).requests
+            view.foreign_requests = max(0, stats.running + stats.waiting - booked)
             self._observe_fleet()
 
     def _observe_fleet(self) -> None:

@@ -196,12 +196,12 @@ class CostModel:
             step = self.fleet_decode_step_s + per_request * load
         else:
             reported = stats.running + stats.waiting
-            load = booked if booked > reported else reported
+            load = booked + view.foreign_requests
             if stats.prefill_tokens_per_s > 0:
                 speed = self._denoise(stats.prefill_tokens_per_s, speed)
             if stats.decode_step_s > 0:
                 measured = self._denoise(stats.decode_step_s, self.fleet_decode_step_s)
-                step = measured + per_request * max(0, booked - reported)
+                step = measured + per_request * max(0, load - reported)
             else:
                 step = self.fleet_decode_step_s + per_request * load
         effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
@@ -268,7 +268,8 @@ class CostModel:
 
     def _queue_s(self, view: WorkerView, effective: float) -> float:
         """This router's booked queue, plus the reported waiting prefill of requests it did
-        not book (other routers'): the share of the worker's requests beyond its bookings.
+        not book (other routers'): the share of the reported requests that were beyond its
+        bookings when the stats arrived (`WorkerView.foreign_requests`).
 
         The reported figure alone would mislead: it is late, and it may count prompt tokens
         that the cache will serve (the worker matches a request only when it admits it).
@@ -276,8 +277,7 @@ class CostModel:
         stats = view.stats
         if stats is None or stats.waiting_prefill_tokens <= 0:
             return view.queue_s
-        reported = stats.running + stats.waiting
-        foreign = (reported - view.requests) / reported
+        foreign = view.foreign_requests / max(1, stats.running + stats.waiting)
         if foreign <= 0:
             return view.queue_s
         return view.queue_s + foreign * stats.waiting_prefill_tokens / effective

@@ -55,12 +55,14 @@ class WorkerView:
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
     affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here
+    # requests its last stats counted beyond this router's bookings when they arrived (other
+    # routers'): fixed until the next stats, so releases since then do not look like load
+    foreign_requests: int = 0
 
     @property
     def load(self) -> int:
-        """Requests on the worker: booked here, or reported (other routers) if more."""
-        reported = 0 if self.stats is None else self.stats.running + self.stats.waiting
-        return max(self.requests, reported)
+        """Requests on the worker: booked here, plus other routers' as last reported."""
+        return self.requests + self.foreign_requests
 
 
 @dataclass(slots=True)

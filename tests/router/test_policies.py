@@ -55,10 +55,11 @@ def test_power_of_two_takes_the_less_loaded_of_two() -> None:
     assert chosen["w2"] > 150  # picked whenever sampled (2 of 3 draws include it)
 
 
-def test_least_load_counts_reported_load_too() -> None:
+def test_least_load_counts_other_routers_load_too() -> None:
     policy = make_policy("least_load")
     busy = WorkerStats("w1", running=4, waiting=3)
-    ws = views({"requests": 2}, {"requests": 0, "stats": busy}, {"requests": 1})
+    ws = views({"requests": 2}, {"requests": 0, "stats": busy, "foreign_requests": 7},
+               {"requests": 1})  # fmt: skip
     decision = policy.choose(request(), ws)
     assert (decision.worker_id, decision.reason) == ("w2", "least_load")
 
