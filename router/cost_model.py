@@ -25,6 +25,7 @@ waiting prefill of the requests it did not book (other routers').
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from statistics import median
@@ -62,6 +63,7 @@ class CostConfig:
     backlog_weight: float = 4.0  # growth of the compute weight with the backlog
     tail_ttft_s: float = 4.0  # predicted TTFT past this (the tail) counts `tail_weight` more
     tail_weight: float = 8.0
+    tail_guard_s: float = 5.0  # no worker whose TTFT is in the tail and this much past the best
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
     decode_weight: float = 0.25  # its own decode time there
@@ -150,6 +152,10 @@ class CostModel:
           hold it.
         - Tail: the part of the TTFT past `tail_ttft_s` counts `tail_weight` times more, so a
           request is not left to wait into the tail for the sake of its cached prefix.
+        - Guard: a worker where the request's TTFT would be in the tail and more than
+          `tail_guard_s` past its best TTFT elsewhere is not chosen, whatever the harms: no
+          request is left to wait out a long queue for the sake of its cached prefix when it
+          could start seconds sooner elsewhere (each such request lands in the p99 tail).
         - Affinity: while a worker computes this prefill (P s), the requests whose prefix it
           holds arrive at `affinity_rate` and wait P / 2 on average, or recompute elsewhere:
           `affinity_weight x rate x P^2 / 2`, times `share ** busy_power` (with idle workers
@@ -174,6 +180,7 @@ class CostModel:
         affinity = cfg.affinity_weight * busy / 2
         decode = cfg.decode_weight * request.expected_output
         growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
+        guard_s = max(tail_s, best_s + cfg.tail_guard_s) if cfg.tail_guard_s > 0 else math.inf
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
@@ -183,7 +190,7 @@ class CostModel:
             score += affinity * view.affinity_rate * prefill * prefill
             if ttft > tail_s:
                 score += cfg.tail_weight * (ttft - tail_s)
-            scores.append(score)
+            scores.append(math.inf if ttft > guard_s else score)
         return scores
 
     # The two below run once per worker per request: plain tuples and no helper calls, for speed.

@@ -14,7 +14,7 @@ def model(**knobs: float) -> CostModel:
     base = dict(
         prefill_tokens_per_s=SPEED, attention_knee_tokens=0, decode_weight=0.0,
         compute_weight=16.0, long_ttft_s=0.0, busy_weight=0.0, backlog_weight=0.0,
-        tail_weight=0.0, affinity_weight=0.0,
+        tail_weight=0.0, tail_guard_s=0.0, affinity_weight=0.0,
     )  # fmt: skip
     return CostModel(CostConfig(**{**base, **knobs}))
 
@@ -42,6 +42,17 @@ def test_a_wait_into_the_tail_outweighs_the_recompute() -> None:
 
 def test_the_tail_weight_leaves_choices_under_the_threshold_alone() -> None:
     assert pick(model(tail_ttft_s=7.0, tail_weight=8.0), *tail_case()) == "cached"
+
+
+def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
+    # cached: 6.5 s, free: 2 s; whatever the recompute weighs, 6.5 s is past 2 s + 4 s
+    heavy = dict(compute_weight=1000.0, tail_ttft_s=4.0)
+    assert pick(model(**heavy), *tail_case()) == "cached"
+    assert pick(model(**heavy, tail_guard_s=4.0), *tail_case()) == "free"
+    assert pick(model(**heavy, tail_guard_s=5.0), *tail_case()) == "cached"  # 6.5 < 2 + 5
+    # under the tail threshold the guard does not apply, however far from the best
+    assert pick(model(compute_weight=1000.0, tail_ttft_s=7.0, tail_guard_s=1.0),
+                *tail_case()) == "cached"  # fmt: skip
 
 
 def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:

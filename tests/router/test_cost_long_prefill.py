@@ -25,6 +25,7 @@ def model(long_ttft_s: float) -> CostModel:
             long_power=2.0,
             busy_weight=0.0,  # the knobs below are tested in test_cost_harms.py
             tail_weight=0.0,
+            tail_guard_s=0.0,
         )
     )
 
