@@ -69,7 +69,7 @@ class CostConfig:
     decode_weight: float = 0.25  # its own decode time there
     idle_weight: float = 2.0  # the compute weight on an idle worker (nothing booked, reported)
     # True: a worker with no prefill queued counts as idle even while it decodes. Latency
-    # first: lower TTFT, fewer hits (Mooncake matrix: 0.73-0.89 of pooled); under KV pressure
+    # first: lower TTFT, fewer hits (Mooncake matrix: 0.74-0.89 of pooled); under KV pressure
     # it can queue badly (chat, load 0.8, 200k KV: 11x the mean TTFT; docs/benchmarks.md)
     idle_while_decoding: bool = False
 
