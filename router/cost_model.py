@@ -185,6 +185,10 @@ class CostModel:
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
             idle = (view.load == 0 or cfg.idle_while_decoding) and view.queue_s <= 0
+            if idle and not cfg.idle_while_decoding and view.stats is not None:
+                # its own last report must show it empty too: a worker between two requests
+                # (this router's bookings ended since) is not idle
+                idle = view.stats.running + view.stats.waiting == 0
             harm = min(cfg.idle_weight, weight - 1.0) if idle else weight - 1.0
             score = ttft + harm * prefill + decode * (step + growth)
             score += affinity * view.affinity_rate * prefill * prefill

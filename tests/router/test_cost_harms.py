@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from router.cost_model import CostConfig, CostModel
 from router.policies import RouteRequest, WorkerView
+from worker.protocol import WorkerStats
 
 SPEED = 1000.0  # tokens/s: a prompt of N uncached tokens takes N / 1000 s
 
@@ -53,6 +54,18 @@ def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
     # under the tail threshold the guard does not apply, however far from the best
     assert pick(model(compute_weight=1000.0, tail_ttft_s=7.0, tail_guard_s=1.0),
                 *tail_case()) == "cached"  # fmt: skip
+
+
+def test_a_worker_is_idle_only_when_its_own_last_report_shows_it_empty_too() -> None:
+    """2,000 tokens, 1,504 cached behind a 3 s queue (TTFT 3.5 s), or none on a worker this
+    router has nothing booked on (2 s): at the idle weight the recompute costs 2 + 0.5 x 2."""
+    request = RouteRequest("r", 2000, 125, block_size=16)
+    cached = WorkerView("cached", matched_blocks=94, queue_s=3.0, requests=3)
+    knobs = dict(compute_weight=16.0, idle_weight=0.5)
+    empty = WorkerView("free", stats=WorkerStats("free"))
+    assert pick(model(**knobs), request, [cached, empty]) == "free"  # 3 < 3.5 + 16 x 0.5
+    between = WorkerView("free", stats=WorkerStats("free", running=2))  # released since
+    assert pick(model(**knobs), request, [cached, between]) == "cached"  # 2 + 16 x 2 > 11.4
 
 
 def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
