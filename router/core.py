@@ -87,8 +87,7 @@ class RoutingCore:
             self._views[worker_id] = WorkerView(worker_id)
             self.index.add_worker(worker_id)
         if stats is not None:
-            self.update_stats(stats)
-        self._observe_fleet()
+            self.update_stats(stats)  # which re-derives the fleet's speeds
 
     def remove_worker(self, worker_id: str) -> list[str]:
         """Forget a worker: its index entries, bookings and session pins. Returns the ids of the

@@ -146,16 +146,14 @@ class CostModel:
           It shrinks for a request whose best predicted TTFT is past `long_ttft_s`: for such a
           request a wait behind the busy worker that holds its prefix costs more than it saves.
           On an idle worker (nothing booked or reported; with `idle_while_decoding`, nothing
-          queued to prefill) the weight is only `idle_weight`:
-          nobody waits behind it now, so a prefix every worker needs (a shared system prompt)
-          gets computed there once instead of every request piling onto the workers that
-          hold it.
+          queued to prefill) the weight is only `idle_weight`: nobody waits behind it now, so
+          a prefix every worker needs (a shared system prompt) gets computed there once
+          instead of every request piling onto the workers that hold it.
         - Tail: the part of the TTFT past `tail_ttft_s` counts `tail_weight` times more, so a
           request is not left to wait into the tail for the sake of its cached prefix.
         - Guard: a worker where the request's TTFT would be in the tail and more than
-          `tail_guard_s` past its best TTFT elsewhere is not chosen, whatever the harms: no
-          request is left to wait out a long queue for the sake of its cached prefix when it
-          could start seconds sooner elsewhere (each such request lands in the p99 tail).
+          `tail_guard_s` past its best TTFT elsewhere is never chosen: no request waits out a
+          long queue for its cached prefix when it could start seconds sooner elsewhere.
         - Affinity: while a worker computes this prefill (P s), the requests whose prefix it
           holds arrive at `affinity_rate` and wait P / 2 on average, or recompute elsewhere:
           `affinity_weight x rate x P^2 / 2`, times `share ** busy_power` (with idle workers
@@ -184,11 +182,12 @@ class CostModel:
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
-            idle = (view.load == 0 or cfg.idle_while_decoding) and view.queue_s <= 0
-            if idle and not cfg.idle_while_decoding and view.stats is not None:
-                # its own last report must show it empty too: a worker between two requests
-                # (this router's bookings ended since) is not idle
-                idle = view.stats.running + view.stats.waiting == 0
+            if cfg.idle_while_decoding:
+                idle = view.queue_s <= 0
+            else:  # nothing booked, queued or in its own last report: between two requests
+                stats = view.stats  # the bookings here may end before its report says so
+                reported = 0 if stats is None else stats.running + stats.waiting
+                idle = view.requests == 0 and reported == 0 and view.queue_s <= 0
             harm = min(cfg.idle_weight, weight - 1.0) if idle else weight - 1.0
             score = ttft + harm * prefill + decode * (step + growth)
             score += affinity * view.affinity_rate * prefill * prefill
