@@ -163,6 +163,7 @@ class RoutingCore:
             request_id, hashes, num_tokens, expected_output, session_id, exclude, now
         )
         self.affinity.add(holders, now)
+        self.affinity.add_demand(decision.worker_id, num_tokens, now)
         view = self._views[decision.worker_id]
         self.ledger.book(self._booking(request, view, decision, hashes), now)
         self.index.record_route(decision.worker_id, hashes)
@@ -259,6 +260,7 @@ class RoutingCore:
         view.queue_s = max(0.0, load.busy_until - now)
         view.cached_blocks = self.index.num_blocks(view.worker_id)
         view.affinity_rate = self.affinity.rate(view.worker_id, now)
+        view.demand_tokens_per_s = self.affinity.demand(view.worker_id, now)
         return view
 
     def _follow_pin(

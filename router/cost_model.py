@@ -66,6 +66,7 @@ class CostConfig:
     tail_guard_s: float = 5.0  # no worker whose TTFT is in the tail and this much past the best
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
+    demand_weight: float = 2.0  # recompute or wait it imposes on the next turns routed there
     decode_weight: float = 0.25  # its own decode time there
     idle_weight: float = 2.0  # the compute weight on an idle worker (nothing booked, reported)
     # True: a worker with no prefill queued counts as idle even while it decodes. Latency
@@ -159,6 +160,13 @@ class CostModel:
           `affinity_weight x rate x P^2 / 2`, times `share ** busy_power` (with idle workers
           around they have somewhere cheap to go). It keeps long uncached prompts off the
           workers that hold the live conversations.
+        - Demand: the same arrivals, sized by what they hold: each waits P / 2 or recomputes
+          its prefix elsewhere, whichever is less. `demand` (prompt tokens/s routed to the
+          worker lately) / speed is the recompute per second of the next turns it will get:
+          `demand_weight x share x P x min(rate x P / 2, demand / speed)`, `share` the share
+          of workers with a queue. It tells a worker holding 90k-token conversations from one
+          holding a system prompt; short prefills (P / 2 under a turn's recompute) add next
+          to nothing.
         - Decode: a small `decode_weight` x its decode time there (expected output x the step
           time of the batch it joins) keeps an idle cluster from stacking every conversation on
           the worker that holds a shared system prompt.
@@ -167,7 +175,8 @@ class CostModel:
         estimates = [self._estimate(request, view) for view in views]
         full_s = max(1, request.num_tokens) / max(e[3] for e in estimates)
         best_s = min(e[0] + e[1] + e[2] for e in estimates)
-        busy = (sum(1 for v in views if v.queue_s > 0) / len(views)) ** cfg.busy_power
+        share = sum(1 for v in views if v.queue_s > 0) / len(views)
+        busy = share**cfg.busy_power
         compute = cfg.compute_weight * (1.0 + cfg.busy_weight * busy)
         if cfg.long_ttft_s > 0 and best_s > cfg.long_ttft_s:
             compute *= (cfg.long_ttft_s / best_s) ** cfg.long_power
@@ -176,6 +185,7 @@ class CostModel:
         if rho > 0:
             weight += cfg.backlog_weight * rho / full_s
         affinity = cfg.affinity_weight * busy / 2
+        demand, speed = cfg.demand_weight * share, self.fleet_prefill_tokens_per_s
         decode = cfg.decode_weight * request.expected_output
         growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
         guard_s = max(tail_s, best_s + cfg.tail_guard_s) if cfg.tail_guard_s > 0 else math.inf
@@ -190,7 +200,9 @@ class CostModel:
                 idle = view.requests == 0 and reported == 0 and view.queue_s <= 0
             harm = min(cfg.idle_weight, weight - 1.0) if idle else weight - 1.0
             score = ttft + harm * prefill + decode * (step + growth)
-            score += affinity * view.affinity_rate * prefill * prefill
+            rate = view.affinity_rate
+            score += affinity * rate * prefill * prefill
+            score += demand * min(rate * prefill / 2, view.demand_tokens_per_s / speed) * prefill
             if ttft > tail_s:
                 score += cfg.tail_weight * (ttft - tail_s)
             scores.append(math.inf if ttft > guard_s else score)

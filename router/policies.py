@@ -55,6 +55,7 @@ class WorkerView:
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
     affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here
+    demand_tokens_per_s: float = 0.0  # prompt tokens/s routed here lately (`router.affinity`)
     # requests its last stats counted beyond this router's bookings when they arrived (other
     # routers'): fixed until the next stats, so releases since then do not look like load
     foreign_requests: int = 0

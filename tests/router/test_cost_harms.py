@@ -1,8 +1,11 @@
 """The harms `cost` weighs besides a request's own TTFT: its TTFT past the tail threshold, the
 compute weight growing with the share of busy workers, and the delay a long prefill imposes on
-the requests that want the worker (its affinity rate). Each test turns the other knobs off."""
+the requests that want the worker (its affinity rate and demand). Each test turns the other
+knobs off."""
 
 from __future__ import annotations
+
+import pytest
 
 from router.cost_model import CostConfig, CostModel
 from router.policies import RouteRequest, WorkerView
@@ -15,7 +18,7 @@ def model(**knobs: float) -> CostModel:
     base = dict(
         prefill_tokens_per_s=SPEED, attention_knee_tokens=0, decode_weight=0.0,
         compute_weight=16.0, long_ttft_s=0.0, busy_weight=0.0, backlog_weight=0.0,
-        tail_weight=0.0, tail_guard_s=0.0, affinity_weight=0.0,
+        tail_weight=0.0, tail_guard_s=0.0, affinity_weight=0.0, demand_weight=0.0,
     )  # fmt: skip
     return CostModel(CostConfig(**{**base, **knobs}))
 
@@ -107,3 +110,41 @@ def test_with_no_busy_worker_the_affinity_harm_is_zero() -> None:
     request, views = affinity_case(queue_a=0.0, queue_b=0.0)
     with_harm = model(affinity_weight=4.0).scores(request, views)
     assert with_harm == model().scores(request, views)
+
+
+def demand_case(queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
+    """5,000 uncached tokens (5 s of prefill). Every worker gets one arrival/s; `a` was sent
+    60k-token conversations lately (2,000 tokens/s over the 30 s window: their next turns
+    would recompute 2 s each elsewhere), `b` only 2k-token prompts, `c` nothing (its cache is
+    an old one) but it has a long queue. `b`'s queue is a little longer than `a`'s."""
+    request = RouteRequest("r", 5_000, 313, block_size=16)
+    return request, [
+        WorkerView("a", queue_s=queue_s, affinity_rate=1.0, demand_tokens_per_s=2_000.0),
+        WorkerView("b", queue_s=queue_s + 0.3, affinity_rate=1.0, demand_tokens_per_s=70.0),
+        WorkerView("c", queue_s=10.0, affinity_rate=1.0),
+    ]
+
+
+def demand_harm(request: RouteRequest, views: list[WorkerView]) -> list[float]:
+    with_demand = model(demand_weight=2.0).scores(request, views)
+    return [d - p for d, p in zip(with_demand, model().scores(request, views), strict=True)]
+
+
+def test_a_long_prefill_goes_where_the_waiting_turns_hold_less() -> None:
+    case = demand_case(queue_s=0.1)
+    assert pick(model(affinity_weight=4.0), *case) == "a"  # same arrival rate: shorter queue
+    assert pick(model(affinity_weight=4.0, demand_weight=2.0), *case) == "b"
+
+
+def test_the_demand_harm_is_the_recompute_at_risk_capped_by_the_wait() -> None:
+    request, views = demand_case(queue_s=0.1)
+    harm = demand_harm(request, views)  # every worker has a queue: share 1
+    assert harm[0] == pytest.approx(2.0 * 5.0 * 2_000.0 / SPEED)  # under the wait of 2.5 s each
+    assert harm[1] == pytest.approx(2.0 * 5.0 * 70.0 / SPEED)
+    assert harm[2] == 0.0  # nothing routed there lately
+    views[2].queue_s = 0.0  # one of three idle: a third less harm
+    assert demand_harm(request, views)[0] == pytest.approx(2.0 * (2 / 3) * 5.0 * 2.0)
+    short = RouteRequest("short", 200, 13, block_size=16)  # 0.2 s: each turn waits 0.1 s
+    assert demand_harm(short, views)[0] == pytest.approx(2.0 * (2 / 3) * 0.2 * 0.1)
+    views[0].matched_blocks = 312  # all but one block cached on `a`: no prefill, no harm
+    assert 0.0 < demand_harm(request, views)[0] < harm[0] / 1000
