@@ -11,11 +11,9 @@ both slowed by the decode work that rides along every chunk:
 
 `room_wait_s` is the wait for a running slot (past `max_running`) or for KV room.
 
-The `cost` policy minimises `scores`: the ttft plus what the choice costs other requests (the
-compute a recomputed prefix takes from them, the wait a long prefill imposes on the requests
-that want that worker), with the part of the ttft past a tail threshold weighed more. The
-weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace, three seeds,
-docs/benchmarks.md), where they met the hit-rate and TTFT goals in most settings.
+The `cost` policy minimises `scores`: the ttft plus what the choice costs other requests (see
+there). The weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace,
+seeds 0-6, held out on 7-10; docs/benchmarks.md).
 
 `speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
 once the worker has measured them; until then the priors below stand in (their step time grows
