@@ -31,7 +31,7 @@ BEST_OTHER = {
 def run_setting(setting: tuple[int, int, float], weights: dict, trace: str, seed: int) -> dict:
     import cluster.sim.routing as routing
     from cluster.sim.cli import add_simulate_args, run_simulate
-    from router.cost_model import CostConfig
+    from router.cost_config import CostConfig
 
     routing.CostConfig = functools.partial(CostConfig, **weights)  # this process only
     parser = argparse.ArgumentParser()

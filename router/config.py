@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from router.cost_model import CostConfig
+from router.cost_config import CostConfig
 
 
 @dataclass

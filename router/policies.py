@@ -34,7 +34,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.cost_model import CostConfig, CostModel
+from router.cost_config import CostConfig
+from router.cost_model import CostModel
 from worker.protocol import WorkerStats
 
 

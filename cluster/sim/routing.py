@@ -13,7 +13,7 @@ from cluster.sim.time_model import TimeProfile, attended_pairs
 from cluster.sim.worker import SimWorker
 from router.config import cost_config
 from router.core import RoutingCore
-from router.cost_model import CostConfig
+from router.cost_config import CostConfig
 from router.policies import PolicyConfig, make_policy
 from worker.protocol import WorkerStats
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import CostConfig
+from router.cost_config import CostConfig
 from router.load import Booking, LoadLedger
 from router.policies import PolicyConfig, RouteRequest, WorkerView, make_policy
 from worker.protocol import WorkerStats

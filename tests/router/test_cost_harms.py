@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_model import CostConfig, CostModel
+from router.cost_config import CostConfig
+from router.cost_model import CostModel
 from router.policies import RouteRequest, WorkerView
 from worker.protocol import WorkerStats
 

@@ -8,7 +8,8 @@ the remaining prefill, worker `idle` holds nothing and waits for nothing.
 
 from __future__ import annotations
 
-from router.cost_model import CostConfig, CostModel
+from router.cost_config import CostConfig
+from router.cost_model import CostModel
 from router.policies import RouteRequest, WorkerView
 
 SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from router.cost_model import CostConfig
+from router.cost_config import CostConfig
 from router.policies import POLICY_NAMES, PolicyConfig, RouteRequest, WorkerView, make_policy
 from worker.protocol import WorkerStats
 
