@@ -4,6 +4,9 @@ setting and writes all reports as one JSON file.
 
     python bench/sim_mooncake_matrix.py --trace ../shared/traces/mooncake_conversation.jsonl.gz \
         --out /tmp/matrix.json
+
+With `--summary m_s0.json m_s1.json ...` (runs of several seeds) it prints, per setting, how
+many seeds meet `cost`'s goals and the goals on the medians over the seeds (`cluster.sim.goals`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import argparse
 import json
 import time
 
+from cluster.sim.goals import check_goals, median_report
 from cluster.sim.pooled import pooled_hit_rate
 from cluster.sim.report import build_report, format_table
 from cluster.sim.simulator import SimConfig, simulate
@@ -72,9 +76,42 @@ def render(settings: list[dict]) -> str:
     return "\n".join(out)
 
 
+def summary(runs: list[list[dict]], policy: str = "cost") -> str:
+    """Markdown: per setting, seeds meeting all three goals and the goals on the medians."""
+    out = [
+        f"| workers | KV/worker | load | seeds meeting all three | {policy} hit / pooled "
+        f"(median) | mean TTFT: {policy} vs best other (medians) | p99 TTFT: {policy} vs best "
+        "other (medians) | goals on the medians |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    per_seed = [0] * len(runs)
+    for setting in runs[0]:
+        key = (setting["workers"], setting["kv_tokens"], setting["load"])
+        reports = []
+        for j, run in enumerate(runs):
+            match = [s for s in run if (s["workers"], s["kv_tokens"], s["load"]) == key]
+            if not match:
+                raise SystemExit(f"run {j} has no setting {key}")
+            reports.append(match[0]["report"])
+            per_seed[j] += check_goals(match[0]["report"], policy).ok
+        met = sum(check_goals(r, policy).ok for r in reports)
+        m = check_goals(median_report(reports), policy)
+        out.append(
+            f"| {key[0]} | {key[1]:,} | {key[2]} | {met} of {len(runs)} | {m.hit_share:.3f} | "
+            f"{m.mean_s:.3f} vs {m.best_mean[1]:.3f} s ({m.best_mean[0]}) | {m.p99_s:.2f} vs "
+            f"{m.best_p99[1]:.2f} s ({m.best_p99[0]}) | {m.flags()} |"
+        )
+    out.append("")
+    out.append("Settings meeting all three goals, run by run: " + ", ".join(map(str, per_seed))
+               + f" ({sum(per_seed)} of {len(runs) * len(runs[0])}).")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--render", metavar="JSON", help="only print a saved run as markdown")
+    parser.add_argument("--summary", metavar="JSON", nargs="+",
+                        help="only print the goals over saved runs of several seeds")
     parser.add_argument("--trace")
     parser.add_argument("--out", default="sim_matrix.json")
     parser.add_argument("--workers", default="8,16")
@@ -86,6 +123,13 @@ def main() -> None:
     if args.render:
         with open(args.render) as f:
             print(render(json.load(f)))
+        return
+    if args.summary:
+        runs = []
+        for path in args.summary:
+            with open(path) as f:
+                runs.append(json.load(f))
+        print(summary(runs))
         return
     if not args.trace:
         parser.error("--trace is required")
