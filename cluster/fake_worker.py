@@ -11,7 +11,9 @@ For `sglang-router` it also serves what that router calls on a worker: `/health`
 `/health_generate`, `/get_server_info`, `/get_model_info`, `/get_load`, `/flush_cache` (and
 the unprefixed `/server_info`, `/model_info`), and `/v1/models` for ours. sglang-router 0.3.2
 was seen calling `/get_server_info`, `/server_info` and `/model_info` when a worker registers,
-then `/health` periodically. Every response names the worker in header `X-Radixray-Worker` and in
+then `/health` periodically. It also opens a gRPC call (HTTP/2 with prior knowledge) to each
+worker, which aiohttp refuses with 400; that is logged once, in one line, not as a traceback
+per attempt. Every response names the worker in header `X-Radixray-Worker` and in
 `system_fingerprint`. Unknown paths get 404 and are counted in `/get_server_info`.
 
 Prompts given as token ids are used as they are; text goes through `--tokenizer` (a built-in
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from cluster.fake_protocol import ResponseShape, error, load_tokenizer, parse_request
 from cluster.sim.time_model import TimeProfile, h100_llama3_8b
@@ -234,9 +238,32 @@ async def _drain(queue: asyncio.Queue) -> int:
             return cached
 
 
+class Http2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 connection preface (a gRPC client probing the
+    worker; its HTTP/1.1 requests work) and says so once, in one line."""
+
+    seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage) or "PRI/Upgrade" not in str(exc):
+            return True
+        if not self.seen:
+            self.seen = True
+            logging.getLogger(__name__).warning(
+                "fake worker: HTTP/2 (gRPC) connections are refused with 400; HTTP/1.1 only")
+        return False
+
+
+HTTP2_PROBES = Http2ProbeFilter()
+
+
 async def serve(configs: list[FakeWorkerConfig], host: str, ports: list[int],
                 encode: Callable[[str], list[int]]) -> list[web.AppRunner]:
     """Start one fake worker per config on `host:port`; returns the runners (cleanup() stops)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if HTTP2_PROBES not in server_log.filters:
+        server_log.addFilter(HTTP2_PROBES)
     runners = []
     for config, port in zip(configs, ports, strict=True):
         runner = web.AppRunner(FakeWorker(config, encode).app(), access_log=None)

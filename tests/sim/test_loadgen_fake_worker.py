@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import logging
 import socket
 import threading
 import urllib.error
@@ -124,3 +125,21 @@ def test_fit_writes_a_profile_from_a_live_worker(fake_url, tmp_path):
     assert profile.prefill_budget == 64 and profile.name.startswith("fitted:")
     coefs = (profile.base_s, profile.token_s, profile.attn_pair_s, profile.kv_read_s)
     assert all(c >= 0 for c in coefs) and any(c > 0 for c in coefs)
+
+
+def test_an_http2_probe_is_refused_in_one_line_and_http1_still_works(fake_url, caplog):
+    """sglang-router opens a gRPC (HTTP/2, prior knowledge) call to each worker: the fake
+    worker refuses it without a traceback per attempt, and keeps serving HTTP/1.1."""
+    host, port = fake_url.removeprefix("http://").split(":")
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+    with caplog.at_level(logging.INFO):
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(preface)
+                assert b" 400 " in conn.recv(64)
+        headers, body = _post(f"{fake_url}/v1/completions",
+                              {"model": "fake", "prompt": "a b c", "max_tokens": 2})
+    assert json.loads(body)["choices"]
+    assert not [r for r in caplog.records if r.exc_info]
+    refused = [r for r in caplog.records if "HTTP/2" in r.getMessage()]
+    assert len(refused) <= 1  # once per process: an earlier test may have logged it already
