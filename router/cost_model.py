@@ -115,6 +115,10 @@ class CostModel:
         - Guard: a worker where the request's TTFT would be in the tail and more than
           `tail_guard_s` past its best TTFT elsewhere is never chosen: no request waits out a
           long queue for its cached prefix when it could start seconds sooner elsewhere.
+          Tail and guard apply only while some worker would start the request before
+          `tail_ttft_s`. In a backlog (every wait past it) they would only trade its prefix
+          for a shorter queue: the recompute adds to the work every queue is behind on, and
+          hits are what lets the cluster catch up.
         - Affinity: while a worker computes this prefill (P s), the requests whose prefix it
           holds arrive at `affinity_rate` and wait P / 2 on average, or recompute elsewhere:
           `affinity_weight x rate x P^2 / 2`, times `share ** busy_power` (with idle workers
@@ -148,7 +152,11 @@ class CostModel:
         demand, speed = cfg.demand_weight * share, self.fleet_prefill_tokens_per_s
         decode = cfg.decode_weight * request.expected_output
         growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
-        guard_s = max(tail_s, best_s + cfg.tail_guard_s) if cfg.tail_guard_s > 0 else math.inf
+        # backlog: no worker can start it before the tail; the tail and the guard would only
+        # trade its prefix for a shorter queue, adding a recompute to a cluster already behind
+        tail_w = cfg.tail_weight if rho < tail_s else 0.0
+        guarded = cfg.tail_guard_s > 0 and rho < tail_s
+        guard_s = max(tail_s, best_s + cfg.tail_guard_s) if guarded else math.inf
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step
@@ -164,7 +172,7 @@ class CostModel:
             score += affinity * rate * prefill * prefill
             score += demand * min(rate * prefill / 2, view.demand_tokens_per_s / speed) * prefill
             if ttft > tail_s:
-                score += cfg.tail_weight * (ttft - tail_s)
+                score += tail_w * (ttft - tail_s)
             scores.append(math.inf if ttft > guard_s else score)
         return scores
 

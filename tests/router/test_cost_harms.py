@@ -1,7 +1,7 @@
-"""The harms `cost` weighs besides a request's own TTFT: its TTFT past the tail threshold, the
-compute weight growing with the share of busy workers, and the delay a long prefill imposes on
-the requests that want the worker (its affinity rate and demand). Each test turns the other
-knobs off."""
+"""The harms `cost` weighs besides a request's own TTFT: its TTFT past the tail threshold (not
+in a backlog), the compute weight growing with the share of busy workers, and the delay a long
+prefill imposes on the requests that want the worker (its affinity rate and demand). Each test
+turns the other knobs off."""
 
 from __future__ import annotations
 
@@ -58,6 +58,28 @@ def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
     # under the tail threshold the guard does not apply, however far from the best
     assert pick(model(compute_weight=1000.0, tail_ttft_s=7.0, tail_guard_s=1.0),
                 *tail_case()) == "cached"  # fmt: skip
+
+
+def backlog_case() -> tuple[RouteRequest, list[WorkerView]]:
+    """The tail case in a backlog: 1,500 of 2,000 tokens cached behind a 20 s queue (TTFT
+    20.5 s), or none behind a 12 s queue (14 s): no worker starts it before a 4 s tail."""
+    request = RouteRequest("r", 2000, 125, block_size=16)
+    cached = WorkerView("cached", matched_blocks=94, queue_s=20.0)
+    return request, [cached, WorkerView("shorter", queue_s=12.0)]
+
+
+def test_in_a_backlog_neither_tail_nor_guard_trades_the_prefix_for_a_shorter_queue() -> None:
+    knobs = dict(tail_ttft_s=4.0, tail_weight=8.0, tail_guard_s=4.0)
+    # 20.5 + 16 x 0.5 s of recompute = 28.5 against 14 + 16 x 2 s = 46: it stays (before
+    # the backlog rule, the tail term, 8 x (20.5 - 4) against 8 x (14 - 4), and the guard,
+    # 20.5 > 14 + 4, both sent it to recompute on the shorter queue)
+    assert pick(model(**knobs), *backlog_case()) == "cached"
+    # with a worker that starts it before the tail, both apply again
+    request, views = backlog_case()
+    views[1] = WorkerView("shorter", queue_s=1.0)
+    assert pick(model(**knobs), request, views) == "shorter"
+    assert pick(model(tail_ttft_s=4.0, tail_guard_s=4.0, compute_weight=1000.0),
+                request, views) == "shorter"  # fmt: skip
 
 
 def test_a_worker_is_idle_only_when_its_own_last_report_shows_it_empty_too() -> None:
