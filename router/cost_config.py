@@ -31,6 +31,7 @@ class CostConfig:
     busy_weight: float = 4.0  # ... x (1 + busy_weight x busy share ** busy_power)
     busy_power: float = 4.0
     backlog_weight: float = 4.0  # growth of the compute weight with the backlog
+    # tail and guard apply only while some worker would start the request before tail_ttft_s
     tail_ttft_s: float = 4.0  # predicted TTFT past this (the tail) counts `tail_weight` more
     tail_weight: float = 8.0
     tail_guard_s: float = 5.0  # no worker whose TTFT is in the tail and this much past the best
