@@ -93,8 +93,9 @@ def summary(runs: list[list[dict]], policy: str = "cost") -> str:
             if not match:
                 raise SystemExit(f"run {j} has no setting {key}")
             reports.append(match[0]["report"])
-            per_seed[j] += check_goals(match[0]["report"], policy).ok
-        met = sum(check_goals(r, policy).ok for r in reports)
+        checks = [check_goals(r, policy).ok for r in reports]
+        per_seed = [n + ok for n, ok in zip(per_seed, checks, strict=True)]
+        met = sum(checks)
         m = check_goals(median_report(reports), policy)
         out.append(
             f"| {key[0]} | {key[1]:,} | {key[2]} | {met} of {len(runs)} | {m.hit_share:.3f} | "

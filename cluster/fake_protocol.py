@@ -1,14 +1,17 @@
-"""OpenAI request parsing and response bodies of the fake workers (`cluster.fake_worker`)."""
+"""OpenAI request parsing and response bodies of the fake workers (`cluster.fake_worker`), and
+their refusal of HTTP/2 (`HTTP2_PROBES`, a filter on aiohttp's server log)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 
 def word_tokenizer(text: str) -> list[int]:
@@ -110,3 +113,21 @@ def _token(i: int) -> int:
     return 120 + i % 20  # printable single-byte ids in a byte-level vocabulary
 
 
+class Http2ProbeFilter(logging.Filter):
+    """Drops aiohttp's traceback for an HTTP/2 connection preface (a gRPC client probing the
+    worker; its HTTP/1.1 requests work) and says so once, in one line."""
+
+    seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, BadHttpMessage) or "PRI/Upgrade" not in str(exc):
+            return True
+        if not self.seen:
+            self.seen = True
+            logging.getLogger("cluster.fake_worker").warning(
+                "fake worker: HTTP/2 (gRPC) connections are refused with 400; HTTP/1.1 only")
+        return False
+
+
+HTTP2_PROBES = Http2ProbeFilter()

@@ -32,9 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
 
-from cluster.fake_protocol import ResponseShape, error, load_tokenizer, parse_request
+from cluster.fake_protocol import (
+    HTTP2_PROBES,
+    ResponseShape,
+    error,
+    load_tokenizer,
+    parse_request,
+)
 from cluster.sim.time_model import TimeProfile, h100_llama3_8b
 from cluster.sim.trace import SimRequest
 from cluster.sim.worker import RequestState, SimWorker
@@ -236,26 +241,6 @@ async def _drain(queue: asyncio.Queue) -> int:
         _, cached, done = await queue.get()
         if done:
             return cached
-
-
-class Http2ProbeFilter(logging.Filter):
-    """Drops aiohttp's traceback for an HTTP/2 connection preface (a gRPC client probing the
-    worker; its HTTP/1.1 requests work) and says so once, in one line."""
-
-    seen = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if not isinstance(exc, BadHttpMessage) or "PRI/Upgrade" not in str(exc):
-            return True
-        if not self.seen:
-            self.seen = True
-            logging.getLogger(__name__).warning(
-                "fake worker: HTTP/2 (gRPC) connections are refused with 400; HTTP/1.1 only")
-        return False
-
-
-HTTP2_PROBES = Http2ProbeFilter()
 
 
 async def serve(configs: list[FakeWorkerConfig], host: str, ports: list[int],

@@ -154,8 +154,9 @@ class CostModel:
         growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
         # backlog: no worker can start it before the tail; the tail and the guard would only
         # trade its prefix for a shorter queue, adding a recompute to a cluster already behind
-        tail_w = cfg.tail_weight if rho < tail_s else 0.0
-        guarded = cfg.tail_guard_s > 0 and rho < tail_s
+        backlog = rho >= tail_s
+        tail_w = 0.0 if backlog else cfg.tail_weight
+        guarded = cfg.tail_guard_s > 0 and not backlog
         guard_s = max(tail_s, best_s + cfg.tail_guard_s) if guarded else math.inf
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
