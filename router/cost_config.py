@@ -23,6 +23,9 @@ class CostConfig:
     # measured speeds within this fraction of the fleet's median count as the median: workers
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
+    # the same for the decode step, which also differs with each worker's batch (its size and
+    # context): narrower, so a worker decoding long contexts is seen to prefill slower
+    step_noise: float = 0.1
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     # `scores` (see there), seconds of score per second of:
     compute_weight: float = 24.0  # prefill the request adds (recompute of a prefix held elsewhere)

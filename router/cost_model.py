@@ -189,17 +189,15 @@ class CostModel:
             reported = stats.running + stats.waiting
             load = booked + view.foreign_requests
             if stats.prefill_tokens_per_s > 0:
-                speed = self._denoise(stats.prefill_tokens_per_s, speed)
+                speed = _denoise(stats.prefill_tokens_per_s, speed, cfg.speed_noise)
             if stats.decode_step_s > 0:
-                measured = self._denoise(stats.decode_step_s, self.fleet_decode_step_s)
+                fleet = self.fleet_decode_step_s
+                measured = _denoise(stats.decode_step_s, fleet, cfg.step_noise)
                 step = measured + per_request * max(0, load - reported)
             else:
                 step = self.fleet_decode_step_s + per_request * load
         effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
         return load, speed, effective, step
-
-    def _denoise(self, measured: float, fleet: float) -> float:
-        return fleet if abs(measured - fleet) <= self.config.speed_noise * fleet else measured
 
     def _estimate(
         self, request: RouteRequest, view: WorkerView
@@ -283,3 +281,8 @@ class CostModel:
         need = request.num_tokens - device + request.expected_output
         evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
         return evicted / self._speeds(view)[1]
+
+
+def _denoise(measured: float, fleet: float, noise: float) -> float:
+    """The fleet's median where the measurement is within `noise` (a fraction) of it."""
+    return fleet if abs(measured - fleet) <= noise * fleet else measured

@@ -1,5 +1,6 @@
 """`cost` must not let one worker's measured speed, against a fresh worker's prior or a twin's
-measurement noise, decide where new prefixes go.
+measurement noise, decide where new prefixes go; a decode step slowed by a worker's batch is
+not noise.
 
 The bug: on CPU a measured worker (faster than the H100-class prior) looked faster than a fresh
 one, so every new prefix of a sequential workload piled onto it and the other worker idled.
@@ -44,3 +45,18 @@ def test_a_really_faster_worker_still_wins_new_prefixes() -> None:
     core.add_worker("w0", WorkerStats("w0", prefill_tokens_per_s=5_000.0, decode_step_s=0.010))
     core.add_worker("w1", WorkerStats("w1", prefill_tokens_per_s=15_000.0, decode_step_s=0.010))
     assert route_distinct_prefixes(core, 6) == Counter({"w1": 6})
+
+
+def test_a_worker_decoding_long_contexts_is_seen_to_prefill_slower() -> None:
+    """Decode step times differ with each worker's batch, not only by noise: beyond
+    `step_noise` (10%) of the median, the measured step counts. A long new prompt goes where
+    fewer context tokens decode alongside its chunks."""
+    core = RoutingCore("cost")
+    busy = {"running": 8, "prefill_tokens_per_s": 20_000.0}
+    core.add_worker("long", WorkerStats("long", decode_step_s=0.020, **busy))
+    core.add_worker("short", WorkerStats("short", decode_step_s=0.015, **busy))
+    steps = {v.worker_id: core.cost_model.speeds(v).step_s for v in core.workers()}
+    assert steps == {"long": 0.020, "short": 0.015}
+    prompt = list(range(30_000))
+    decision = core.route("r", block_hashes(prompt), len(prompt), 16)
+    assert decision.worker_id == "short"
