@@ -37,7 +37,8 @@ class CostConfig:
     # tail and guard apply only while some worker would start the request before tail_ttft_s
     tail_ttft_s: float = 4.0  # predicted TTFT past this (the tail) counts `tail_weight` more
     tail_weight: float = 8.0
-    tail_guard_s: float = 5.0  # no worker whose TTFT is in the tail and this much past the best
+    tail_guard_s: float = 4.0  # no worker whose TTFT is in the tail and this much past the best
+    tail_guard_busy_s: float = 4.0  # ... plus this x busy share ** busy_power
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
     demand_weight: float = 2.0  # recompute or wait it imposes on the next turns routed there

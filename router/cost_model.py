@@ -113,8 +113,10 @@ class CostModel:
         - Tail: the part of the TTFT past `tail_ttft_s` counts `tail_weight` times more, so a
           request is not left to wait into the tail for the sake of its cached prefix.
         - Guard: a worker where the request's TTFT would be in the tail and more than
-          `tail_guard_s` past its best TTFT elsewhere is never chosen: no request waits out a
-          long queue for its cached prefix when it could start seconds sooner elsewhere.
+          `tail_guard_s` + `tail_guard_busy_s` x `busy` past its best TTFT elsewhere is never
+          chosen: no request waits out a long queue for its cached prefix when it could start
+          seconds sooner elsewhere. With most workers queued it gives more time (`busy`, as
+          the compute weight's): the recompute elsewhere would turn into queueing.
           Tail and guard apply only while some worker would start the request before
           `tail_ttft_s`. In a backlog (every wait past it) they would only trade its prefix
           for a shorter queue: the recompute adds to the work every queue is behind on, and
@@ -157,7 +159,8 @@ class CostModel:
         backlog = rho >= tail_s
         tail_w = 0.0 if backlog else cfg.tail_weight
         guarded = cfg.tail_guard_s > 0 and not backlog
-        guard_s = max(tail_s, best_s + cfg.tail_guard_s) if guarded else math.inf
+        guard_s = best_s + cfg.tail_guard_s + cfg.tail_guard_busy_s * busy
+        guard_s = max(tail_s, guard_s) if guarded else math.inf
         scores = []
         for (wait, prefill, step, _), view in zip(estimates, views, strict=True):
             ttft = wait + prefill + step

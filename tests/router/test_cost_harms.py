@@ -19,7 +19,8 @@ def model(**knobs: float) -> CostModel:
     base = dict(
         prefill_tokens_per_s=SPEED, attention_knee_tokens=0, decode_weight=0.0,
         compute_weight=16.0, long_ttft_s=0.0, busy_weight=0.0, backlog_weight=0.0,
-        tail_weight=0.0, tail_guard_s=0.0, affinity_weight=0.0, demand_weight=0.0,
+        tail_weight=0.0, tail_guard_s=0.0, tail_guard_busy_s=0.0, affinity_weight=0.0,
+        demand_weight=0.0,
     )  # fmt: skip
     return CostModel(CostConfig(**{**base, **knobs}))
 
@@ -58,6 +59,18 @@ def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
     # under the tail threshold the guard does not apply, however far from the best
     assert pick(model(compute_weight=1000.0, tail_ttft_s=7.0, tail_guard_s=1.0),
                 *tail_case()) == "cached"  # fmt: skip
+
+
+def test_the_guard_loosens_as_more_workers_are_busy() -> None:
+    """With most workers queued, a recompute elsewhere turns into queueing: the guard gives
+    `tail_guard_busy_s` x busy share ** 4 more time past the best before it bites."""
+    heavy = dict(compute_weight=1000.0, tail_ttft_s=4.0, tail_guard_s=4.0, busy_power=4.0)
+    request, views = tail_case()  # cached 6.5 s, free 2 s; one of two workers queued
+    queued = [WorkerView(f"q{i}", queue_s=10.0) for i in range(6)]  # 7 of 8 queued
+    assert pick(model(**heavy), request, views + queued) == "free"  # 6.5 > 2 + 4
+    loose = model(**heavy, tail_guard_busy_s=4.0)
+    assert pick(loose, request, views + queued) == "cached"  # 6.5 < 2 + 4 + 4 x 0.59
+    assert pick(loose, request, views) == "free"  # 6.5 > 2 + 4 + 4 x 0.06
 
 
 def backlog_case() -> tuple[RouteRequest, list[WorkerView]]:
