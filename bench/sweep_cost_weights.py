@@ -19,13 +19,12 @@ from pathlib import Path
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake_conversation.jsonl.gz"
 ONE_PCT, FIVE_PCT = 935_936, 4_679_680  # KV tokens per worker: 1% / 5% of the distinct blocks
-# (workers, kv tokens, load) -> best other policy's (mean, p99) TTFT, seed 0 at c43d1f9
-# (docs/benchmarks.md, "The goals over fifteen seeds")
+# (workers, kv tokens, load) -> best other policy's (mean, p99) TTFT, docs/benchmarks.md matrix
 BEST_OTHER = {
-    (8, ONE_PCT, 0.5): (0.615, 6.269), (8, ONE_PCT, 0.8): (1.518, 9.174),
-    (8, FIVE_PCT, 0.5): (0.542, 5.548), (8, FIVE_PCT, 0.8): (0.835, 6.334),
-    (16, ONE_PCT, 0.5): (0.584, 5.929), (16, ONE_PCT, 0.8): (0.927, 6.773),
-    (16, FIVE_PCT, 0.5): (0.558, 5.469), (16, FIVE_PCT, 0.8): (0.767, 6.178),
+    (8, ONE_PCT, 0.5): (0.616, 6.27), (8, ONE_PCT, 0.8): (1.724, 9.82),
+    (8, FIVE_PCT, 0.5): (0.534, 5.47), (8, FIVE_PCT, 0.8): (0.838, 6.30),
+    (16, ONE_PCT, 0.5): (0.579, 5.844), (16, ONE_PCT, 0.8): (0.868, 6.47),
+    (16, FIVE_PCT, 0.5): (0.562, 5.54), (16, FIVE_PCT, 0.8): (0.765, 5.93),
 }
 
 

@@ -23,9 +23,10 @@ class CostConfig:
     # measured speeds within this fraction of the fleet's median count as the median: workers
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
-    # the same for the decode step, which also differs with each worker's batch (its size and
-    # context): narrower, so a worker decoding long contexts is seen to prefill slower
-    step_noise: float = 0.1
+    # the same for the decode step. It also differs with each worker's batch (size, context),
+    # and a narrower band (0.1) lets a worker decoding long contexts be seen to prefill slower
+    # (Mooncake matrix: better), but then stale reports stack chat sessions (docs/benchmarks.md)
+    step_noise: float = 0.25
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     # `scores` (see there), seconds of score per second of:
     compute_weight: float = 24.0  # prefill the request adds (recompute of a prefix held elsewhere)
@@ -37,8 +38,10 @@ class CostConfig:
     # tail and guard apply only while some worker would start the request before tail_ttft_s
     tail_ttft_s: float = 4.0  # predicted TTFT past this (the tail) counts `tail_weight` more
     tail_weight: float = 8.0
-    tail_guard_s: float = 4.0  # no worker whose TTFT is in the tail and this much past the best
-    tail_guard_busy_s: float = 4.0  # ... plus this x busy share ** busy_power
+    tail_guard_s: float = 5.0  # no worker whose TTFT is in the tail and this much past the best
+    # ... plus this x busy share ** busy_power; 4 (with tail_guard_s 4) pays only together with
+    # step_noise 0.1 (docs/benchmarks.md)
+    tail_guard_busy_s: float = 0.0
     affinity_weight: float = 4.0  # delay its prefill imposes on arrivals that want the worker
     affinity_window_s: float = 30.0  # time constant of those arrivals' rate (`router.affinity`)
     demand_weight: float = 2.0  # recompute or wait it imposes on the next turns routed there
