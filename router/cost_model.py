@@ -115,8 +115,9 @@ class CostModel:
         - Guard: a worker where the request's TTFT would be in the tail and more than
           `tail_guard_s` + `tail_guard_busy_s` x `busy` past its best TTFT elsewhere is never
           chosen: no request waits out a long queue for its cached prefix when it could start
-          seconds sooner elsewhere. With most workers queued it gives more time (`busy`, as
-          the compute weight's): the recompute elsewhere would turn into queueing.
+          seconds sooner elsewhere. `tail_guard_busy_s` (0 by default) would give it more time
+          with most workers queued (`busy`, as the compute weight's), where the recompute
+          elsewhere turns into queueing.
           Tail and guard apply only while some worker would start the request before
           `tail_ttft_s`. In a backlog (every wait past it) they would only trade its prefix
           for a shorter queue: the recompute adds to the work every queue is behind on, and
