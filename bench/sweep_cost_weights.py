@@ -48,11 +48,9 @@ def run_setting(setting: tuple[int, int, float], weights: dict, trace: str, seed
     return {"pooled": report["pooled_hit_rate"], **report["cost"]}
 
 
-def best_other(path: str) -> dict[tuple[int, int, float], tuple[float, float]]:
+def best_other(settings: list[dict]) -> dict[tuple[int, int, float], tuple[float, float]]:
     """(workers, kv tokens, load) -> the best other policy's (mean, p99) TTFT in a saved run
     of bench/sim_mooncake_matrix.py (`--out`)."""
-    with open(path) as f:
-        settings = json.load(f)
     best = {}
     for s in settings:
         others = [r for name, r in s["report"].items() if name not in ("cost", "pooled_hit_rate")]
@@ -76,7 +74,11 @@ def main() -> None:
         parser.error("--seed needs a --baseline run of the same seed (the default is seed 0's)")
     if args.out and not args.baseline:
         parser.error("--out needs a --baseline run to put this `cost` into")
-    baseline = best_other(args.baseline) if args.baseline else BEST_OTHER
+    saved = None
+    if args.baseline:
+        with open(args.baseline) as f:
+            saved = json.load(f)
+    baseline = best_other(saved) if saved else BEST_OTHER
     settings = list(baseline)
     with ProcessPoolExecutor(2) as pool:
         n = len(settings)
@@ -100,14 +102,12 @@ def main() -> None:
     print(f"{weights}: settings meeting hit {met['hit']}/8, mean {met['mean']}/8, "
           f"p99 {met['p99']}/8, all three {met['all']}/8")
     if args.out:
-        write_with_cost(args.baseline, args.out, dict(zip(settings, results, strict=True)))
+        write_with_cost(saved, args.out, dict(zip(settings, results, strict=True)))
 
 
-def write_with_cost(baseline: str, out: str, results: dict) -> None:
-    """The saved matrix run with its `cost` figures replaced by `results` (the other policies
-    do not read `cost`'s knobs, so their figures stand)."""
-    with open(baseline) as f:
-        settings = json.load(f)
+def write_with_cost(settings: list[dict], out: str, results: dict) -> None:
+    """The saved matrix run (`settings`, changed in place) with its `cost` figures replaced by
+    `results`; the other policies do not read `cost`'s knobs, so their figures stand."""
     for s in settings:
         r = dict(results[(s["workers"], s["kv_tokens"], s["load"])])
         if r.pop("pooled") != s["report"]["pooled_hit_rate"]:

@@ -19,16 +19,15 @@ def load_script():
     return module
 
 
-def saved_run(path: Path, pooled: float) -> None:
+def saved_run(pooled: float) -> list[dict]:
     report = {"pooled_hit_rate": pooled, "cost": {"ttft_mean": 9.0}, "e2": {"ttft_mean": 1.0}}
-    path.write_text(json.dumps([{"workers": 8, "kv_tokens": 100, "load": 0.5, "report": report}]))
+    return [{"workers": 8, "kv_tokens": 100, "load": 0.5, "report": report}]
 
 
 def test_cost_is_replaced_and_the_others_kept(tmp_path: Path) -> None:
     sweep = load_script()
-    saved_run(tmp_path / "base.json", pooled=0.3)
     results = {(8, 100, 0.5): {"pooled": 0.3, "ttft_mean": 0.5, "hit_rate": 0.29}}
-    sweep.write_with_cost(str(tmp_path / "base.json"), str(tmp_path / "out.json"), results)
+    sweep.write_with_cost(saved_run(pooled=0.3), str(tmp_path / "out.json"), results)
     (setting,) = json.loads((tmp_path / "out.json").read_text())
     assert setting["report"]["cost"] == {"ttft_mean": 0.5, "hit_rate": 0.29}
     assert setting["report"]["e2"] == {"ttft_mean": 1.0}
@@ -37,8 +36,7 @@ def test_cost_is_replaced_and_the_others_kept(tmp_path: Path) -> None:
 
 def test_a_baseline_of_another_trace_or_seed_is_refused(tmp_path: Path) -> None:
     sweep = load_script()
-    saved_run(tmp_path / "base.json", pooled=0.3)
     results = {(8, 100, 0.5): {"pooled": 0.31, "ttft_mean": 0.5}}
     with pytest.raises(SystemExit, match="another trace or seed"):
-        sweep.write_with_cost(str(tmp_path / "base.json"), str(tmp_path / "out.json"), results)
+        sweep.write_with_cost(saved_run(pooled=0.3), str(tmp_path / "out.json"), results)
     assert not (tmp_path / "out.json").exists()
