@@ -27,6 +27,10 @@ class CostConfig:
     # and a narrower band (0.1) lets a worker decoding long contexts be seen to prefill slower
     # (Mooncake matrix: better), but then stale reports stack chat sessions (docs/benchmarks.md)
     step_noise: float = 0.25
+    # True: a worker's step is the fleet's fit of step on decode context (its reports), read
+    # at the context booked on the worker now: fresh, where its own measured step is a report
+    # late (Mooncake matrix: better; False: the measured step and its band, above)
+    step_from_context: bool = True
     max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     # `scores` (see there), seconds of score per second of:
     compute_weight: float = 24.0  # prefill the request adds (recompute of a prefix held elsewhere)

@@ -15,20 +15,22 @@ The `cost` policy minimises `scores`: the ttft plus what the choice costs other 
 there). The weights were set on the simulator (`cluster/sim`, the Mooncake conversation trace,
 seeds 0-6, held out on 7-10; docs/benchmarks.md).
 
-`speed` is `WorkerStats.prefill_tokens_per_s` and `decode_step_s` is `WorkerStats.decode_step_s`
-once the worker has measured them; until then the priors below stand in (their step time grows
-with the running batch). `queue_s` is this router's booked queue (fresh) plus the reported
-waiting prefill of the requests it did not book (other routers').
+`speed` is `WorkerStats.prefill_tokens_per_s` once the worker has measured it, the fleet's
+median until then. `decode_step_s` is the fleet's fit of the step on decode context, read at the
+context booked on the worker now (`router.fleet`); without a fit (one worker, or all at one
+context), the worker's measured `WorkerStats.decode_step_s`, else the fleet's median or prior.
+`queue_s` is this router's booked queue (fresh) plus the reported waiting prefill of the
+requests it did not book (other routers').
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from statistics import median
 from typing import TYPE_CHECKING, NamedTuple
 
 from router.cost_config import CostConfig
+from router.fleet import FleetSpeeds, denoise
 from worker.protocol import WorkerStats
 
 if TYPE_CHECKING:
@@ -57,27 +59,26 @@ class CostModel:
 
     def __init__(self, config: CostConfig | None = None) -> None:
         self.config = config or CostConfig()
-        # what a worker that has not measured itself yet is assumed to do: its peers' median
-        # (workers of one deployment run the same model on the same hardware), else the prior.
-        # A fixed prior alone would make a fresh worker look faster or slower than its measured
-        # twins, and `cost` would pile every new prefix onto one of them.
-        self.fleet_prefill_tokens_per_s = self.config.prefill_tokens_per_s
-        self.fleet_decode_step_s = self.config.decode_step_s
+        # the speeds of a worker that has not measured itself yet, and the step's fit on
+        # decode context (`router.fleet`)
+        self.fleet = FleetSpeeds(self.config.prefill_tokens_per_s, self.config.decode_step_s)
+
+    @property
+    def step_fit(self) -> tuple[float, float] | None:
+        """(intercept s, slope s per token) of the fleet's decode step on decode context."""
+        return self.fleet.step_fit
 
     def observe_fleet(self, stats: Iterable[WorkerStats | None]) -> None:
-        """Re-derive the assumed speeds of unmeasured workers from the measured ones."""
-        measured = [s for s in stats if s is not None]
-        speeds = [s.prefill_tokens_per_s for s in measured if s.prefill_tokens_per_s > 0]
-        steps = [s.decode_step_s for s in measured if s.decode_step_s > 0]
-        cfg = self.config
-        self.fleet_prefill_tokens_per_s = median(speeds) if speeds else cfg.prefill_tokens_per_s
-        self.fleet_decode_step_s = median(steps) if steps else cfg.decode_step_s
+        """Re-derive the fleet's speeds from the latest reports (`FleetSpeeds.observe`)."""
+        self.fleet.observe(stats, self.config.step_from_context)
 
     def speeds(self, view: WorkerView) -> Speeds:
         """Measured speeds where the worker reported them, priors otherwise.
 
-        A measured step time covers the batch the worker reported; requests booked since then
-        (more than it reported) each add the prior per-request growth.
+        The step: with `step_from_context` and a fit (`router.fleet`), the fleet's fit at the
+        context booked on the worker now, plus other routers' share of its reported context.
+        Otherwise its measured step, which covers the batch it reported; requests booked since
+        then (more than it reported) each add the prior per-request growth.
         """
         return Speeds(*self._speeds(view))
 
@@ -152,7 +153,7 @@ class CostModel:
         if rho > 0:
             weight += cfg.backlog_weight * rho / full_s
         affinity = cfg.affinity_weight * busy / 2
-        demand, speed = cfg.demand_weight * share, self.fleet_prefill_tokens_per_s
+        demand, speed = cfg.demand_weight * share, self.fleet.prefill_tokens_per_s
         decode = cfg.decode_weight * request.expected_output
         growth, tail_s = cfg.decode_step_per_request_s, cfg.tail_ttft_s
         # backlog: no worker can start it before the tail; the tail and the guard would only
@@ -184,22 +185,26 @@ class CostModel:
     # The two below run once per worker per request: plain tuples and no helper calls, for speed.
 
     def _speeds(self, view: WorkerView) -> tuple[int, float, float, float]:
-        cfg, stats, booked = self.config, view.stats, view.requests
-        speed, per_request = self.fleet_prefill_tokens_per_s, cfg.decode_step_per_request_s
+        cfg, stats, booked, fleet = self.config, view.stats, view.requests, self.fleet
+        speed, per_request = fleet.prefill_tokens_per_s, cfg.decode_step_per_request_s
         if stats is None:
             load = booked
-            step = self.fleet_decode_step_s + per_request * load
+            step = fleet.decode_step_s + per_request * load
         else:
             reported = stats.running + stats.waiting
             load = booked + view.foreign_requests
             if stats.prefill_tokens_per_s > 0:
-                speed = _denoise(stats.prefill_tokens_per_s, speed, cfg.speed_noise)
-            if stats.decode_step_s > 0:
-                fleet = self.fleet_decode_step_s
-                measured = _denoise(stats.decode_step_s, fleet, cfg.step_noise)
+                speed = denoise(stats.prefill_tokens_per_s, speed, cfg.speed_noise)
+            if fleet.step_fit is not None:
+                intercept, slope = fleet.step_fit
+                foreign = view.foreign_requests / reported if reported else 0.0
+                context = view.active_tokens + foreign * stats.running_decode_tokens
+                step = max(0.5 * fleet.decode_step_s, intercept + slope * context)
+            elif stats.decode_step_s > 0:
+                measured = denoise(stats.decode_step_s, fleet.decode_step_s, cfg.step_noise)
                 step = measured + per_request * max(0, load - reported)
             else:
-                step = self.fleet_decode_step_s + per_request * load
+                step = fleet.decode_step_s + per_request * load
         effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
         return load, speed, effective, step
 
@@ -285,8 +290,3 @@ class CostModel:
         need = request.num_tokens - device + request.expected_output
         evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
         return evicted / self._speeds(view)[1]
-
-
-def _denoise(measured: float, fleet: float, noise: float) -> float:
-    """The fleet's median where the measurement is within `noise` (a fraction) of it."""
-    return fleet if abs(measured - fleet) <= noise * fleet else measured
