@@ -61,16 +61,12 @@ class CostModel:
         self.config = config or CostConfig()
         # the speeds of a worker that has not measured itself yet, and the step's fit on
         # decode context (`router.fleet`)
-        self.fleet = FleetSpeeds(self.config.prefill_tokens_per_s, self.config.decode_step_s)
-
-    @property
-    def step_fit(self) -> tuple[float, float] | None:
-        """(intercept s, slope s per token) of the fleet's decode step on decode context."""
-        return self.fleet.step_fit
+        cfg = self.config
+        self.fleet = FleetSpeeds(cfg.prefill_tokens_per_s, cfg.decode_step_s, cfg.step_from_context)
 
     def observe_fleet(self, stats: Iterable[WorkerStats | None]) -> None:
         """Re-derive the fleet's speeds from the latest reports (`FleetSpeeds.observe`)."""
-        self.fleet.observe(stats, self.config.step_from_context)
+        self.fleet.observe(stats)
 
     def speeds(self, view: WorkerView) -> Speeds:
         """Measured speeds where the worker reported them, priors otherwise.

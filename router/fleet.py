@@ -21,7 +21,10 @@ from worker.protocol import WorkerStats
 class FleetSpeeds:
     """The fleet's median speeds and its decode step's fit, from the latest reports."""
 
-    def __init__(self, prefill_tokens_per_s: float, decode_step_s: float) -> None:
+    def __init__(
+        self, prefill_tokens_per_s: float, decode_step_s: float, fit_step: bool = True
+    ) -> None:
+        self.fit_step = fit_step  # fit the decode step on context (`step_from_context`)
         self.prior_prefill_tokens_per_s = prefill_tokens_per_s
         self.prior_decode_step_s = decode_step_s
         self.prefill_tokens_per_s = prefill_tokens_per_s
@@ -30,7 +33,7 @@ class FleetSpeeds:
         # nothing to fit: fewer than two workers, or all at one context
         self.step_fit: tuple[float, float] | None = None
 
-    def observe(self, stats: Iterable[WorkerStats | None], fit_step: bool) -> None:
+    def observe(self, stats: Iterable[WorkerStats | None]) -> None:
         """Re-derive the medians (priors where none is measured) and, with `fit_step`, the
         step's fit."""
         measured = [s for s in stats if s is not None]
@@ -40,8 +43,9 @@ class FleetSpeeds:
         self.decode_step_s = (
             median(s.decode_step_s for s in steps) if steps else self.prior_decode_step_s
         )
-        points = [(s.running_decode_tokens, s.decode_step_s) for s in steps]
-        self.step_fit = fit_line(points) if fit_step else None
+        self.step_fit = None
+        if self.fit_step:
+            self.step_fit = fit_line([(s.running_decode_tokens, s.decode_step_s) for s in steps])
 
 
 def denoise(measured: float, fleet: float, noise: float) -> float:

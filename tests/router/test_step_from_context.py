@@ -58,8 +58,8 @@ def test_the_fit_recovers_steps_that_grow_linearly_with_context(
         WorkerStats(f"w{i}", running_decode_tokens=c, decode_step_s=base + per_token * c)
         for i, c in enumerate(contexts)
     )
-    assert model.step_fit is not None
-    intercept, slope = model.step_fit
+    assert model.fleet.step_fit is not None
+    intercept, slope = model.fleet.step_fit
     assert slope == pytest.approx(per_token, rel=1e-6, abs=1e-12)
     assert intercept == pytest.approx(base, rel=1e-6, abs=1e-9)
 
@@ -78,9 +78,9 @@ def test_the_fit_never_has_a_step_that_shrinks_with_context(
         for i, (c, s) in enumerate(points)
     )
     if len({c for c, _ in points}) < 2:
-        assert model.step_fit is None  # nothing to fit: each worker's own step stands
+        assert model.fleet.step_fit is None  # nothing to fit: each worker's own step stands
     else:
-        assert model.step_fit is not None and model.step_fit[1] >= 0.0
+        assert model.fleet.step_fit is not None and model.fleet.step_fit[1] >= 0.0
 
 
 def test_each_worker_is_read_at_its_own_reported_context() -> None:
