@@ -5,21 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def greedy(max_tokens: int = 12) -> SamplingParams:
