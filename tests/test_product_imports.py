@@ -1,4 +1,7 @@
-"""The product packages never import the test-only `testing` package (it is not shipped)."""
+"""What the product packages import (DESIGN.md, Layout): imports point down only, `mem_cache`
+<- `worker` <- `cluster`, `router` takes `mem_cache` and `worker.protocol` alone, nothing imports
+`cluster`, and nothing imports the test-only `testing` package (it is not shipped). Every import
+statement counts, type-only and function-local ones too."""
 
 import ast
 from pathlib import Path
@@ -6,11 +9,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("mem_cache", "worker", "router", "cluster")
+OURS = ("mem_cache", "worker", "router", "cluster", "testing")
+# package -> the modules of ours it may import (a name and everything below it)
+ALLOWED = {
+    "mem_cache": ("mem_cache",),
+    "worker": ("mem_cache", "worker"),
+    "router": ("mem_cache", "worker.protocol", "router"),
+    "cluster": ("mem_cache", "worker", "router", "cluster"),
+}
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every module an `import` or `from ... import` in the file names (type-only ones too)."""
+    """Every absolute module an `import` or `from ... import` in the file names."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -20,19 +30,38 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("package", PRODUCT)
-def test_product_does_not_import_testing(package):
+def forbidden(package: str, module: str) -> bool:
+    """True when `module` is one of ours that `package` may not import."""
+    if module.split(".")[0] not in OURS:
+        return False  # the standard library or a dependency
+    return not any(module == a or module.startswith(a + ".") for a in ALLOWED[package])
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_down(package):
     files = sorted((ROOT / package).rglob("*.py"))
     assert files
     offenders = {
-        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f)
-                                         if m == "testing" or m.startswith("testing."))
+        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if forbidden(package, m))
         for f in files
     }
     assert {f: m for f, m in offenders.items() if m} == {}
 
 
-def test_the_check_sees_a_testing_import(tmp_path):
+def test_the_check_sees_what_it_must_refuse(tmp_path):
     sample = tmp_path / "sample.py"
-    sample.write_text("from testing.fake_worker import serve\nimport testing\n")
-    assert imported_modules(sample) == {"testing.fake_worker", "testing"}
+    sample.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import testing\n"
+        "if TYPE_CHECKING:\n"
+        "    from worker.engine import Engine\n"
+        "def f():\n"
+        "    from testing.fake_worker import serve\n"
+    )
+    found = imported_modules(sample)
+    assert found == {"typing", "testing", "worker.engine", "testing.fake_worker"}
+    assert [m for m in sorted(found) if forbidden("router", m)] == [
+        "testing", "testing.fake_worker", "worker.engine"
+    ]
+    assert not forbidden("router", "worker.protocol") and not forbidden("router", "typing")
+    assert forbidden("worker", "cluster.config") and forbidden("mem_cache", "worker")
