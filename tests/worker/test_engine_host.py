@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import random
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,12 +11,10 @@ from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_kit import prompt  # noqa: E402
+
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
 
 
 def run(engine: Engine, rid: str, ids: list[int]):
