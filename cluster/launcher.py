@@ -90,7 +90,9 @@ class Launcher:
     def stop(self) -> None:
         """Stop serving, kill every worker, free every bundle; stop Ray if we started it."""
         if self._loop and self._thread and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._request_exit)
+            # A failed start wakes us before its thread has closed the loop: it may be closing.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._request_exit)
             self._thread.join(timeout=30)
         if self.pool:
             self.pool.shutdown()
