@@ -208,7 +208,7 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
     @app.get("/health")
     async def health() -> Response:
         await router.start()
-        ready = [w for w in router.workers.backends if w not in router.workers.draining]
+        ready = router.registry.routable()
         status = 200 if ready else 503
         return _json({"status": "ok" if ready else "no_workers", "workers": len(ready)}, status)
 

@@ -14,7 +14,6 @@ class CostConfig:
     prefill_tokens_per_s: float = 8000.0  # prompt tokens/s of one worker, prior
     decode_step_s: float = 0.015  # time of one decode step with a small batch, prior
     decode_step_per_request_s: float = 0.0002  # prior growth of the step time per running request
-    prefill_budget: int = 512  # prompt tokens per engine step (chunked prefill)
     host_load_tokens_per_s: float = 100_000.0  # KV loaded back from the host tier, tokens/s
     # prefill time per token grows with the context it attends to: at this context, attention
     # costs as much as the rest (~ 6 x hidden size; 30k for Llama 3 8B: 2 x 32 layers x 4096
@@ -31,7 +30,6 @@ class CostConfig:
     # at the context booked on the worker now: fresh, where its own measured step is a report
     # late (Mooncake matrix: better; False: the measured step and its band, above)
     step_from_context: bool = True
-    max_running: int = 64  # requests a worker runs at once (the engine's default); more wait
     # `scores` (see there), seconds of score per second of:
     compute_weight: float = 24.0  # prefill the request adds (recompute of a prefix held elsewhere)
     long_ttft_s: float = 0.75  # ... x (long_ttft_s / best TTFT) ** long_power past it (0: off)

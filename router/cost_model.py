@@ -201,7 +201,7 @@ class CostModel:
                 step = measured + per_request * max(0, load - reported)
             else:
                 step = fleet.decode_step_s + per_request * load
-        effective = speed if load == 0 else speed / (1.0 + step * speed / cfg.prefill_budget)
+        effective = speed if load == 0 else speed / (1.0 + step * speed / view.prefill_budget)
         return load, speed, effective, step
 
     def _estimate(
@@ -219,7 +219,7 @@ class CostModel:
         knee = cfg.attention_knee_tokens
         if knee > 0:  # attention: each new token reads its whole prefix; `speed` is measured
             # on chunks of `prefill_budget` tokens, which already pay for their own attention
-            prefill *= (knee + device + host + uncached / 2) / (knee + cfg.prefill_budget / 2)
+            prefill *= (knee + device + host + uncached / 2) / (knee + view.prefill_budget / 2)
         if host:
             prefill += host / cfg.host_load_tokens_per_s
         wait = self._queue_s(view, effective)
@@ -237,9 +237,9 @@ class CostModel:
         # frees every residence / max_running seconds and booked KV drains at kv / residence
         residence = view.decode_tokens / requests * step
         wait = 0.0
-        over = load + 1 - self.config.max_running
+        over = load + 1 - view.max_running
         if over > 0:
-            wait = residence * over / self.config.max_running
+            wait = residence * over / view.max_running
         stats = view.stats
         if stats is None or stats.kv_total <= 0:
             return wait

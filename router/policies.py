@@ -45,7 +45,6 @@ class WorkerView:
 
     worker_id: str
     stats: WorkerStats | None = None  # last reported, None until the first report
-    draining: bool = False
     matched_blocks: int = 0  # leading blocks of the request on its device (index's belief)
     host_blocks: int = 0  # further blocks found only on its host tier
     cached_blocks: int = 0  # blocks the index holds for it in all: its cache's size
@@ -60,6 +59,8 @@ class WorkerView:
     # requests its last stats counted beyond this router's bookings when they arrived (other
     # routers'): fixed until the next stats, so releases since then do not look like load
     foreign_requests: int = 0
+    max_running: int = 64  # its engine's shape (`worker.protocol.EngineShape`)
+    prefill_budget: int = 512
 
     @property
     def load(self) -> int:

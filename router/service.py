@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import Any, Protocol
 
 from router.backends import Backend
@@ -22,8 +22,9 @@ from router.generation import Job
 from router.metrics import RouterMetrics
 from router.openai_types import ChatRequest, CompletionRequest, SamplingFields
 from router.policies import PolicyConfig
+from router.registry import DEAD
 from router.tokenizer import Tokenizer
-from router.workers import WorkerRegistry
+from router.workers import WorkerSync
 from worker.protocol import SamplingParams
 
 MAX_CHOICES = 128  # prompts x n per request
@@ -45,13 +46,12 @@ _WORKER_KEYS = (
 class WorkerControl(Protocol):
     """What the admin endpoints need from whoever starts workers (the cluster launcher).
 
-    `add_worker()` starts one worker and returns once it serves: either its `Backend` (the router
-    registers it) or its id (the launcher has already registered it, e.g. via
-    `WorkerRegistry.attach`). `remove_worker(id)` stops it for good; the router has already
-    stopped routing to it. Either may be a plain function or a coroutine function.
+    `add_worker()` starts one worker and returns its `Backend` once it serves (the router then
+    registers it). `remove_worker(id)` stops it for good; the router has already stopped
+    routing to it. Either may be a plain function or a coroutine function.
     """
 
-    def add_worker(self) -> Any: ...
+    def add_worker(self) -> Backend | Awaitable[Backend]: ...
     def remove_worker(self, worker_id: str) -> Any: ...
 
 
@@ -78,9 +78,10 @@ class Router:
                 policy=config.policy, block_size=config.block_size, policies=policies
             ))
         self.core = core
+        self.registry = core.registry
         self.metrics = RouterMetrics()
-        self.workers = WorkerRegistry(config, self.core, self.metrics)
-        self.workers.encode = self.tokenizer.encode_plain
+        self.registry.subscribe(self.metrics)
+        self.workers = WorkerSync(config, self.core, self.metrics)
         self.dispatcher = Dispatcher(
             self.core, self.workers, self.metrics, config.max_failovers, config.namespace
         )
@@ -109,7 +110,7 @@ class Router:
     def context_limit(self) -> int:
         for limit in (
             self.config.max_context,
-            self.workers.max_context(),
+            self.registry.max_context(),
             self.tokenizer.model_max_length,
         ):
             if limit:
@@ -225,24 +226,23 @@ class Router:
     # --- workers and sessions -----------------------------------------------------------------
 
     def workers_json(self) -> list[dict]:
-        ids = [*self.workers.backends, *self.workers.dead]
         out = []
-        for wid in ids:
-            stats = self.workers.stats.get(wid)
+        for worker in self.registry:
+            stats = worker.stats
             row: dict[str, Any] = {
-                "id": wid,
-                "state": self.workers.state(wid),
-                "in_flight": self.workers.in_flight(wid),
+                "id": worker.worker_id,
+                "state": worker.state,
+                "in_flight": worker.in_flight,
             }
             row.update({k: getattr(stats, k, 0) if stats else 0 for k in _WORKER_KEYS})
-            row["max_context"] = int(self.workers.info.get(wid, {}).get("max_context") or 0)
+            row["max_context"] = worker.shape.max_context
             out.append(row)
         return out
 
     async def close_session(self, session_id: str) -> bool:
         """Forgets the pin and frees the session's KV on whichever worker holds it."""
         pinned = self.core.close_session(session_id)
-        backends = list(self.workers.backends.values())
+        backends = [w.backend for w in self.registry.live() if w.backend is not None]
         results = await asyncio.gather(
             *(b.close_session(session_id) for b in backends), return_exceptions=True
         )
@@ -253,15 +253,13 @@ class Router:
             raise not_implemented("Adding workers")
         added = []
         for _ in range(count):
-            result = await _maybe_await(self.control.add_worker())
-            if isinstance(result, Backend):
-                await self.workers.add(result)
-                result = result.worker_id
-            added.append(str(result))
+            backend = await _maybe_await(self.control.add_worker())
+            await self.workers.add(backend)
+            added.append(backend.worker_id)
         return added
 
     def _known(self, worker_id: str) -> None:
-        if worker_id not in self.workers.backends and worker_id not in self.workers.dead:
+        if worker_id not in self.registry:
             raise APIError(
                 404, f"no worker {worker_id!r}", param="worker_id", code="worker_not_found"
             )
@@ -269,11 +267,12 @@ class Router:
     async def drain(self, worker_id: str, timeout_s: float = 600.0) -> dict:
         """Stops routing to the worker, waits for its requests to end, then removes it."""
         self._known(worker_id)
-        if worker_id in self.workers.backends:
-            self.workers.set_draining(worker_id, True)
+        worker = self.registry[worker_id]
+        if worker.state != DEAD:
+            self.registry.set_draining(worker_id, True)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout_s
-            while self.workers.in_flight(worker_id) > 0 and loop.time() < deadline:
+            while worker.in_flight > 0 and loop.time() < deadline:
                 await asyncio.sleep(0.05)
         return await self.remove(worker_id)
 
