@@ -22,19 +22,13 @@ from dataclasses import dataclass, field, replace
 
 from mem_cache.events import AllCleared, decode_batch
 from router.affinity import AffinityRates
+from router.estimate import EstimateConfig, Estimator
 from router.load import Booking, LoadLedger
-from router.policies import (
-    DEFAULT_POLICY,
-    Decision,
-    Policy,
-    PolicyConfig,
-    RouteRequest,
-    WorkerView,
-    make_policy,
-)
+from router.policies import DEFAULT_POLICY, Policy, PolicyConfig, make_policy
 from router.prefix_index import IndexConfig, PrefixIndex
 from router.registry import DEAD, WorkerRegistry, WorkerState
 from router.sessions import SessionConfig, SessionTable
+from router.views import Decision, RouteRequest, WorkerView
 from worker.protocol import EngineShape, WorkerStats
 
 
@@ -45,6 +39,7 @@ class CoreConfig:
     policy: str = DEFAULT_POLICY
     block_size: int = 16
     index: IndexConfig = field(default_factory=IndexConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     policies: PolicyConfig = field(default_factory=PolicyConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
 
@@ -74,11 +69,11 @@ class RoutingCore:
             policy = make_policy(policy or self.config.policy, self.config.policies)
         self.clock = clock
         self.policy = policy
-        self.cost_model = policy.cost_model
+        self.estimator = Estimator(self.config.estimate)
         self.index = PrefixIndex(self.config.index, clock)
         self.sessions = SessionTable(self.config.sessions, clock)
         self.ledger = LoadLedger()
-        self.affinity = AffinityRates(self.cost_model.config.affinity_window_s)
+        self.affinity = AffinityRates(self.config.estimate.affinity_window_s)
         self.registry = registry or WorkerRegistry(EngineShape(block_size=self.config.block_size))
         self.registry.subscribe(self)
 
@@ -122,7 +117,7 @@ class RoutingCore:
             self._observe_fleet()
 
     def _observe_fleet(self) -> None:
-        self.cost_model.observe_fleet(w.stats for w in self.registry.live())
+        self.estimator.observe_fleet(w.stats for w in self.registry.live())
 
     def workers(self) -> list[WorkerView]:
         """Every live worker's view with its current booked load (match fields zero)."""
@@ -246,21 +241,22 @@ class RoutingCore:
         if not workers:
             raise NoWorkerError("no worker available")
         match = self.index.match(hashes)
+        request = RouteRequest(
+            request_id, num_tokens, len(hashes), expected_output, self.registry.block_size,
+            session_id, self.estimator.fleet.prefill_tokens_per_s,
+        )
         candidates = []
         for worker in workers:
             view = self._view(worker, now)
             view.matched_blocks = match.device.get(worker.worker_id, 0)
             view.host_blocks = match.host.get(worker.worker_id, 0)
+            view.estimate = self.estimator.estimate(request, view)
             candidates.append(view)
-        request = RouteRequest(
-            request_id, num_tokens, len(hashes), expected_output, self.registry.block_size,
-            session_id,
-        )
         decision = self.policy.choose(request, candidates)
         if session_id is not None:
             decision = self._follow_pin(request, session_id, decision, candidates)
         view = next(v for v in candidates if v.worker_id == decision.worker_id)
-        decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
+        decision.cached_tokens, decision.host_tokens = self.estimator.cached_tokens(request, view)
         top = max(v.matched_blocks for v in candidates)
         holders = [v.worker_id for v in candidates if v.matched_blocks == top] if top else []
         return request, decision, view, holders
@@ -303,10 +299,7 @@ class RoutingCore:
             return decision
         if pinned_id != decision.worker_id:
             best = next(v for v in candidates if v.worker_id == decision.worker_id)
-            model = self.cost_model
-            if self.sessions.should_yield(
-                model.ttft_s(request, pinned), model.ttft_s(request, best)
-            ):
+            if self.sessions.should_yield(pinned.estimate.ttft_s, best.estimate.ttft_s):
                 return decision
         return Decision(pinned_id, "session")
 
@@ -319,7 +312,7 @@ class RoutingCore:
             prefill_tokens=request.num_tokens - decision.cached_tokens - decision.host_tokens,
             decode_tokens=request.expected_output,
             active_tokens=request.num_tokens + request.expected_output,
-            prefill_s=self.cost_model.prefill_s(request, view),
+            prefill_s=view.estimate.prefill_s,
             prefill_done_at=0.0,
             hashes=hashes,
             cached_tokens=decision.cached_tokens,

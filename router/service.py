@@ -73,9 +73,12 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer(config.tokenizer or config.model)
         if core is None:
-            policies = PolicyConfig(cost=cost_config(overrides=config.cost_config))
+            estimate, terms = cost_config(config.cost_config)
             core = RoutingCore(config=CoreConfig(
-                policy=config.policy, block_size=config.block_size, policies=policies
+                policy=config.policy,
+                block_size=config.block_size,
+                estimate=estimate,
+                policies=PolicyConfig(cost=terms),
             ))
         self.core = core
         self.registry = core.registry

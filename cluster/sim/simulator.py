@@ -43,7 +43,7 @@ class SimConfig:
     seed: int = 0
     host_kv_tokens: int = 0  # host KV tier per worker (0: none)
     host_policy: str = "write_through"
-    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
+    cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
 
 
 @dataclass(slots=True)
