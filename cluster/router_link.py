@@ -29,7 +29,7 @@ from router.errors import APIError
 
 
 class PoolControl:
-    """`router.service.WorkerControl` over a `WorkerPool` (runs on the router's loop)."""
+    """`router.admin.WorkerControl` over a `WorkerPool` (runs on the router's loop)."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
