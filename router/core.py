@@ -179,21 +179,6 @@ class RoutingCore:
             self.sessions.pin(session_id, decision.worker_id)
         return decision
 
-    def decide(
-        self,
-        request_id: str,
-        hashes: Sequence[int],
-        num_tokens: int,
-        expected_output: int,
-        session_id: str | None = None,
-        exclude: Collection[str] = (),
-    ) -> Decision:
-        """What `route` would choose, with no booking, no index entry and no pin (a dry run)."""
-        now = self.clock()
-        return self._decide(
-            request_id, hashes, num_tokens, expected_output, session_id, exclude, now
-        )[1]
-
     def finish(self, request_id: str, cached_tokens: int | None = None) -> Booking | None:
         """Release a request's booking (done, aborted or failed); unknown ids return None.
 
