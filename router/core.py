@@ -1,7 +1,9 @@
-"""RoutingCore: the prefix index, a policy, the session pins and the booked load, in one object.
+"""RoutingCore: the prefix index, the estimate, a policy, the session pins and the booked load.
 
 The live router (`router/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
-they route identically. The clock is injected: the simulator passes its simulated time.
+they route identically. The clock is injected: the simulator passes its simulated time. The
+workers are the registry's (`router.registry`); the core follows its membership as a listener
+and reads each worker's record (state, shape, stats, event cursor) when it routes.
 
 The life of one request:
     route(request_id, hashes, ...) -> Decision    books its load on the chosen worker, records
@@ -218,7 +220,9 @@ class RoutingCore:
         exclude: Collection[str],
         now: float,
     ) -> tuple[RouteRequest, Decision, WorkerView, list[str]]:
-        """Match, build the candidates' views, run the policy, then follow the session pin.
+        """Match, build the candidates' views with the estimate of the request on each (once per
+        request: every policy, the booking and the pin read these), run the policy, then follow
+        the session pin.
         Also returns the chosen view and the candidates holding the request's longest cached
         prefix."""
         self.index.expire()

@@ -10,7 +10,15 @@ from dataclasses import replace
 
 import pytest
 
-from router.cost_terms import AffinityTerm, ComputeTerm, CostTerms, DemandTerm, GuardTerm, TailTerm
+from router.cost_terms import (
+    AffinityTerm,
+    ComputeTerm,
+    CostTerms,
+    DecodeTerm,
+    DemandTerm,
+    GuardTerm,
+    TailTerm,
+)
 from router.cost_terms import scores as cost_scores
 from router.estimate import EstimateConfig, Estimator
 from router.views import RouteRequest, WorkerView
@@ -23,7 +31,7 @@ PLAIN = ComputeTerm(weight=16.0, busy_weight=0.0, backlog_weight=0.0, long_ttft_
 class Model:
     """The given terms on top of the plain compute term, over a linear-prefill estimate."""
 
-    def __init__(self, compute: ComputeTerm = PLAIN, **terms: object) -> None:
+    def __init__(self, compute: ComputeTerm | None = PLAIN, **terms: object) -> None:
         self.terms = CostTerms.only(compute=compute, **terms)
 
     def scores(self, request: RouteRequest, views: list[WorkerView]) -> list[float]:
@@ -196,3 +204,27 @@ def test_the_demand_harm_is_the_recompute_at_risk_capped_by_the_wait() -> None:
     assert demand_harm(short, views)[0] == pytest.approx(2.0 * (2 / 3) * 0.2 * 0.1)
     views[0].matched_blocks = 312  # all but one block cached on `a`: no prefill, no harm
     assert 0.0 < demand_harm(request, views)[0] < harm[0] / 1000
+
+
+def test_the_decode_term_adds_the_answers_decode_time_there() -> None:
+    """No prefix anywhere; one worker decodes a batch (a longer step). The decode term adds
+    `weight` x expected output x the step once the request joins, on each worker."""
+    request = RouteRequest("r", 1000, 62, expected_output=1000, block_size=16)
+    stats = WorkerStats("batch", running=8, decode_step_s=0.05)
+    views = [WorkerView("batch", stats=stats), WorkerView("free", stats=WorkerStats("free"))]
+    plain = model(compute=None).scores(request, views)
+    with_decode = model(compute=None, decode=DecodeTerm(0.25)).scores(request, views)
+    for view, without, scored in zip(views, plain, with_decode, strict=True):
+        assert scored - without == pytest.approx(0.25 * 1000 * view.estimate.joined_step_s)
+    assert with_decode[1] - plain[1] < with_decode[0] - plain[0]  # the batch steps slower
+
+
+def test_the_backlog_raises_the_compute_weight() -> None:
+    """1,000 tokens, half cached on a worker 10 s behind, none on one 4 s behind: every worker
+    has a wait (rho = 4 s), so recomputing adds to the backlog: with `backlog_weight` the
+    request stays with its prefix."""
+    request = RouteRequest("r", 1000, 62, block_size=16)
+    views = [WorkerView("cached", matched_blocks=31, queue_s=10.0), WorkerView("b", queue_s=4.0)]
+    assert pick(model(replace(PLAIN, weight=1.0)), request, views) == "b"
+    heavy = model(replace(PLAIN, weight=1.0, backlog_weight=4.0))
+    assert pick(heavy, request, views) == "cached"
