@@ -108,7 +108,8 @@ class WorkerRegistry:
         self, worker_id: str, shape: EngineShape | None = None, backend: Backend | None = None
     ) -> WorkerState:
         """A worker is ready (new, restarted or revived): a fresh record, routed to at once.
-        A record of the same id is removed first, so nothing of its past life remains."""
+        A record of the same id is removed first, so nothing of its past life remains.
+        Without a shape it takes `default_shape` (the router's configured block size)."""
         self.remove(worker_id)
         worker = WorkerState(worker_id, shape or self.default_shape, backend)
         self._workers[worker_id] = worker

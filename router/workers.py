@@ -48,7 +48,8 @@ class WorkerSync:
     async def add(self, backend: Backend) -> WorkerState:
         """Waits for the worker, then routes to it; its cache arrives as a snapshot."""
         info = await backend.ready()
-        worker = self.registry.add(backend.worker_id, EngineShape.from_info(info), backend)
+        shape = EngineShape.from_info(info, self.registry.default_shape)
+        worker = self.registry.add(backend.worker_id, shape, backend)
         stats = await _stats_or_none(backend)
         if stats is not None:
             self.core.update_stats(stats)

@@ -6,7 +6,7 @@ Ray and the engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import msgpack
@@ -90,10 +90,11 @@ class EngineShape:
     prefill_budget: int = 512
 
     @classmethod
-    def from_info(cls, info: dict[str, Any]) -> EngineShape:
-        """The shape in a `ready()` answer; a missing, null or zero key keeps its default."""
+    def from_info(cls, info: dict[str, Any], default: EngineShape | None = None) -> EngineShape:
+        """The shape in a `ready()` answer; a missing, null or zero key keeps `default`'s value
+        (the class defaults when None)."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: int(v) for k, v in info.items() if k in known and v})
+        return replace(default or cls(), **{k: int(v) for k, v in info.items() if k in known and v})
 
 
 @dataclass(slots=True)

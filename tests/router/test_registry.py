@@ -67,6 +67,7 @@ def test_the_shape_is_what_the_worker_reports_with_defaults_for_the_rest() -> No
     reported = {"block_size": 32, "max_running": 8, "prefill_budget": 2048, "page_size": 16}
     shape = EngineShape.from_info(reported)
     assert (shape.block_size, shape.max_running, shape.prefill_budget) == (32, 8, 2048)
+    assert EngineShape.from_info({}, EngineShape(block_size=64)).block_size == 64
     registry = WorkerRegistry()
     assert registry.block_size == 16 and registry.max_context() is None
     registry.add("a", shape)
