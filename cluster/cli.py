@@ -75,8 +75,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME", help="routing policy: " + ", ".join(POLICY_NAMES)
                         + " (default: %(default)s)")
     router.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
-                        help="overrides of the cost policy's CostConfig, e.g. "
-                        "'{\"idle_while_decoding\": true}' (router/cost_model.py)")
+                        help="overrides of the routing estimate and the cost terms, e.g. "
+                        "'{\"compute\": {\"idle_while_decoding\": true}}' (docs/router.md)")
     router.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                         f"(default: ${API_KEY_ENV})")

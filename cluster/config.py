@@ -63,7 +63,7 @@ class ClusterConfig:
     ready_timeout_s: float = 900.0  # how long a worker may take to load its model
     watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
     namespace: str = "radixray"  # Ray namespace of the worker actors
-    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
+    cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
 
     def __post_init__(self) -> None:
         if self.api_key is None:

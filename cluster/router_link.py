@@ -8,7 +8,7 @@ Who does what on a change:
 - drain / remove: the router stops routing to the worker (a drain first waits for its
   in-flight requests), then calls `remove_worker(id)`: the pool kills the actor and frees its
   bundle.
-- death: the pool's watcher calls `WorkerRegistry.mark_dead` (the router's own polls notice
+- death: the pool's watcher calls `WorkerSync.mark_dead` (the router's own polls notice
   too); the router purges the worker's index entries, probes it, and re-adds it when Ray has
   restarted it.
 """
@@ -29,7 +29,7 @@ from router.errors import APIError
 
 
 class PoolControl:
-    """`router.service.WorkerControl` over a `WorkerPool` (runs on the router's loop)."""
+    """`router.admin.WorkerControl` over a `WorkerPool` (runs on the router's loop)."""
 
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool

@@ -39,7 +39,7 @@ PING_TIMEOUT_S = 30.0  # a loaded worker answers `ready` at once, even while it 
 
 
 class RouterLink(Protocol):
-    """What the pool tells the router (`router.workers.WorkerRegistry` has both)."""
+    """What the pool tells the router (`router.workers.WorkerSync` has both)."""
 
     def mark_dead(self, worker_id: str) -> None: ...
     def detach(self, worker_id: str) -> None: ...
