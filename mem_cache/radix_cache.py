@@ -34,13 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mem_cache.allocator import (
-    KVAllocator,
-    SlotIds,
-    as_int64_array,
-    pages_to_slots,
-    slots_to_pages,
-)
+from mem_cache.allocator import KVAllocator, SlotIds, as_int64_array, pages_to_slots, slots_to_pages
 from mem_cache.block_ledger import BlockLedger, snapshot_stored
 from mem_cache.events import (
     DEVICE,
@@ -160,15 +154,15 @@ class RadixCache:
         node, pos, path = self._walk(arr[:n].tobytes(), namespace)
         self._touch(path)
         self._host.collect()
-        if not path or not path[-1].evicted:
-            self._host.after_use(path, inserted=False)
-            return MatchResult(self._gather(path), node, pos)
-        on_device = _device_prefix(path)
-        device, host = path[:on_device], path[on_device:]
-        host_length = sum(len(n) for n in host)
         self._host.after_use(path, inserted=False)
-        end = device[-1] if device else self.root
-        return MatchResult(self._gather(device), end, pos - host_length, host_length, host[-1])
+        on_device = _device_prefix(path)
+        if on_device == len(path):
+            return MatchResult(self._gather(path), node, pos)
+        host = path[on_device:]
+        host_length = sum(len(n) for n in host)
+        end = path[on_device - 1] if on_device else self.root
+        device = self._gather(path[:on_device])
+        return MatchResult(device, end, pos - host_length, host_length, host[-1])
 
     def insert(
         self, tokens: object, indices: SlotIds | None = None, namespace: str | None = None
@@ -222,9 +216,8 @@ class RadixCache:
             if not node.evicted:
                 cached = node.end
                 continue
-            if values is not None:
-                node.value = self._pages_of(values, node.start, node.end)
-            self._to_device(node)
+            pages = None if values is None else self._pages_of(values, node.start, node.end)
+            self._to_device(node, pages)
         return cached
 
     # --- tree shape: walk, split, grow --------------------------------------------------------
@@ -407,8 +400,9 @@ class RadixCache:
             self._device_blocks.removed(node.hashes)
         self._host.rerank(node)
 
-    def _to_device(self, node: TreeNode) -> None:
-        """A host-only node got device pages (`node.value`, unless a pure index)."""
+    def _to_device(self, node: TreeNode, pages: np.ndarray | None) -> None:
+        """A host-only node is back on device, in `pages` (None in a pure index)."""
+        node.value = pages
         node.evicted = False
         self._evictable += len(node)
         self._host.loaded(node)
@@ -499,10 +493,8 @@ class RadixCache:
             at = 0
             for n in path:
                 count = len(n) // self.page_size
-                if pages is not None:
-                    n.value = pages[at : at + count].copy()
+                self._to_device(n, None if pages is None else pages[at : at + count].copy())
                 at += count
-                self._to_device(n)
         finally:
             self._host.release(path[-1])
             self.unlock(device_end)
