@@ -155,9 +155,9 @@ class RadixCache:
         self._touch(path)
         self._host.collect()
         self._host.after_use(path, inserted=False)
-        on_device = _device_prefix(path)
-        if on_device == len(path):
+        if not path or not path[-1].evicted:
             return MatchResult(self._gather(path), node, pos)
+        on_device = _device_prefix(path)
         host = path[on_device:]
         host_length = sum(len(n) for n in host)
         end = path[on_device - 1] if on_device else self.root
@@ -205,7 +205,7 @@ class RadixCache:
             if not on_device:
                 return
             last = path[on_device - 1]
-        if self._is_device_leaf(last):
+        if not last.lock_ref and (not last.children or self._is_device_leaf(last)):
             self._push(last)
 
     def _promote(self, path: list[TreeNode], values: np.ndarray | None) -> int:
@@ -380,8 +380,10 @@ class RadixCache:
         """On device, unlocked, and no child on device: an eviction candidate."""
         if node.evicted or node.lock_ref or node.parent is None:
             return False
-        children = node.children
-        return not children or all(c.evicted for c in children.values())
+        for child in node.children.values():  # a loop: no generator per call
+            if not child.evicted:
+                return False
+        return True
 
     def _remove_leaf(self, node: TreeNode) -> None:
         """Detach an unlocked device leaf whose pages the caller frees."""
