@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +92,7 @@ MODEL_NAMES = (*BUILTIN_MODELS, *FETCHED_MODELS)
 
 
 def cache_root() -> Path:
-    """Where built-in models live: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
+    """Where model directories are cached: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
     env = os.environ.get("RADIXRAY_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "radixray" / "models"
 
@@ -115,9 +116,7 @@ def gguf_model_path(gguf_file: str | Path) -> Path:
     path = Path(gguf_file).expanduser().resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return _build_once(
-        f"gguf/{path.stem}-{key}", lambda dest: _convert(path, dest), echo_done=True
-    )
+    return _build_once(f"gguf/{path.stem}-{key}", lambda dest: _convert(path, dest))
 
 
 def resolve_model(name_or_path: str) -> Path:
@@ -139,9 +138,7 @@ def resolve_model(name_or_path: str) -> Path:
     )
 
 
-def _build_once(
-    folder: str, make: Callable[[Path], None], echo_done: bool = False
-) -> Path:
+def _build_once(folder: str, make: Callable[[Path], None]) -> Path:
     """`cache_root()/folder`, made by `make(tmp_dir)` under a file lock unless it exists."""
     final = cache_root() / folder
     if final.exists():
@@ -160,8 +157,6 @@ def _build_once(
             os.rename(tmp, final)  # atomic: readers see nothing or the whole directory
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    if echo_done:
-        _echo(f"radixray: cached as {final}")
     return final
 
 
@@ -177,12 +172,13 @@ def _fetch_and_convert(name: str, dest: Path) -> None:
             "hf-model-dir, or --model /path/to/model.gguf"
         ) from exc
     _convert(gguf_file, dest)  # the GGUF stays beside the HF files: what they were made from
-    _echo(f"radixray: {name} cached in {cache_root() / f'{name}-{spec.version}'}")
 
 
 def _convert(gguf_file: Path, dest: Path) -> None:
+    t0 = time.monotonic()
     _echo(f"radixray: converting {gguf_file.name} to an HF model directory...")
     convert_gguf(gguf_file, dest)
+    _echo(f"radixray: converted in {time.monotonic() - t0:.0f}s, cached under {cache_root()}")
 
 
 def _echo(message: str) -> None:
