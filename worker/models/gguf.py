@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
@@ -50,8 +52,7 @@ def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
 
     ValueError for a GGUF of an architecture other than `ARCHITECTURES`.
     """
-    from gguf import GGUFReader
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # heavy: here only
 
     gguf_file, dest = Path(gguf_file), Path(dest)
     reader = GGUFReader(gguf_file)
@@ -76,10 +77,10 @@ def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
     _save_shards(tensors, dest)
 
 
-def hf_tensors(reader, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_tensors(
+    reader: GGUFReader, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor of a `llama` GGUF, q/k rows in HF order."""
-    from gguf.quants import dequantize
-
     for t in reader.tensors:
         array = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
         name = _hf_name(t.name)
