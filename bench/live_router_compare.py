@@ -1,5 +1,5 @@
 """Live side by side: our router vs `sglang-router` (cache_aware, defaults) in front of the same
-cache-simulating workers (`cluster.fake_worker`), on a slice of a Mooncake trace; then the
+cache-simulating workers (`testing.fake_worker`), on a slice of a Mooncake trace; then the
 latency each router adds in front of zero-delay workers.
 
     python bench/live_router_compare.py --trace ../shared/traces/mooncake_conversation.jsonl.gz
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from cluster.loadgen.client import Target
 from cluster.loadgen.prompts import BenchRequest, bench_requests
@@ -24,6 +25,7 @@ from cluster.loadgen.runner import RunConfig, run
 from cluster.sim.workloads import trace_workload
 
 HOST = "127.0.0.1"
+ROOT = Path(__file__).resolve().parents[1]  # `-m testing.fake_worker` imports from here
 
 
 def wait_http(url: str, timeout_s: float = 120.0) -> None:
@@ -46,7 +48,7 @@ def start_workers(port: int, count: int, args: argparse.Namespace, scale: float)
     cmd = [
         sys.executable,
         "-m",
-        "cluster.fake_worker",
+        "testing.fake_worker",
         "--host",
         HOST,
         "--port",
@@ -60,7 +62,7 @@ def start_workers(port: int, count: int, args: argparse.Namespace, scale: float)
         "--kv-tokens",
         str(args.kv_tokens),
     ]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
     urls = [f"http://{HOST}:{port + i}" for i in range(count)]
     for url in urls:
         wait_http(url + "/health")

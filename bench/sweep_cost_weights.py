@@ -2,7 +2,8 @@
 
 Runs `cost` only (the other policies do not depend on its weights) and compares each setting
 with the best other policy's mean and p99 TTFT: from a saved matrix run (`--baseline`, the
-`--out` of bench/sim_mooncake_matrix.py) or else the matrix in docs/benchmarks.md.
+`--out` of bench/sim_mooncake_matrix.py) or else `BEST_OTHER`, a seed-0 run of the other
+policies from before the decode-step fit (pass `--baseline` for current figures).
 
     python bench/sweep_cost_weights.py --baseline matrix.json '{"compute_weight": 16}'
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 TRACE = Path(__file__).resolve().parents[1] / "../shared/traces/mooncake_conversation.jsonl.gz"
 ONE_PCT, FIVE_PCT = 935_936, 4_679_680  # KV tokens per worker: 1% / 5% of the distinct blocks
-# (workers, kv tokens, load) -> best other policy's (mean, p99) TTFT, docs/benchmarks.md matrix
+# (workers, kv tokens, load) -> best other policy's (mean, p99) TTFT, seed 0, before the step fit
 BEST_OTHER = {
     (8, ONE_PCT, 0.5): (0.616, 6.27), (8, ONE_PCT, 0.8): (1.724, 9.82),
     (8, FIVE_PCT, 0.5): (0.534, 5.47), (8, FIVE_PCT, 0.8): (0.838, 6.30),
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--seed", type=int, default=0, help="the baseline run's seed")
     parser.add_argument("--baseline", metavar="JSON", help="the other policies' figures: a "
-                        "saved matrix run (default: the figures in docs/benchmarks.md)")
+                        "saved matrix run (default: BEST_OTHER, seed 0)")
     parser.add_argument("--out", metavar="JSON", help="write the --baseline run with `cost` "
                         "replaced by this one (the matrix's format, for its --summary)")
     args = parser.parse_args()

@@ -49,9 +49,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--gpus-per-worker", type=float, default=d["gpus_per_worker"].default,
                        metavar="G",
                        help="GPUs reserved per worker on GPU clusters (default: %(default)s)")
-    model.add_argument("--cpus-per-worker", type=float, default=d["cpus_per_worker"].default,
-                       metavar="C",
-                       help="CPUs reserved per worker (default: %(default)s)")
+    model.add_argument("--cpus-per-worker", type=float, default=None, metavar="C",
+                       help="CPUs reserved per worker (default: 1, or an equal share of a "
+                       "local Ray's CPUs when CPU workers outnumber them)")
     model.add_argument("--device", choices=DEVICES, default=d["device"].default,
                        help="auto: cuda when the Ray cluster has GPUs, else cpu "
                        "(default: %(default)s)")

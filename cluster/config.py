@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -43,7 +44,9 @@ class ClusterConfig:
     model: str = "smollm2-135m-instruct"
     workers: int | None = None  # None: one per GPU group on a GPU cluster, else 2 CPU workers
     gpus_per_worker: float = 1.0  # GPUs reserved per worker when device is cuda
-    cpus_per_worker: float = 1.0  # CPUs reserved per worker (the engine loop's core)
+    # CPUs reserved per worker (the engine loop's core); None: 1, or a share of a local Ray's
+    # CPUs when it has fewer than workers (`worker_cpus`)
+    cpus_per_worker: float | None = None
     device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
     dtype: str | None = None  # None: the model's own dtype (bf16 on GPU, fp32 on CPU)
     attention: str = "torch"  # attention backend of the engine
@@ -73,7 +76,8 @@ class ClusterConfig:
             raise ValueError("workers must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.gpus_per_worker <= 0 or self.cpus_per_worker <= 0:
+        cpus = self.cpus_per_worker
+        if self.gpus_per_worker <= 0 or (cpus is not None and cpus <= 0):
             raise ValueError("gpus_per_worker and cpus_per_worker must be > 0")
         cost_config(overrides=self.cost_config)  # unknown keys or bad values: ValueError now
 
@@ -106,9 +110,26 @@ class ClusterConfig:
             return max(1, int(cluster_gpus // self.gpus_per_worker))
         return 2
 
-    def bundle(self, device: str) -> dict[str, float]:
-        """The resources one worker reserves (one placement-group bundle)."""
-        bundle = {"CPU": self.cpus_per_worker}
+    def worker_cpus(self, count: int, local_cpus: float | None) -> float:
+        """CPUs each of `count` workers reserves: `cpus_per_worker` when set, else 1.
+
+        `local_cpus` is the CPU count of a local Ray that `serve` started for CPU workers (None
+        otherwise). When it is below `count`, each worker reserves an equal share instead,
+        rounded down to Ray's resource unit (1e-4) so that all of them fit: 3 workers on 2 CPUs
+        reserve 0.6666 each (0.6667 x 3 would not fit)."""
+        if self.cpus_per_worker is not None:
+            return self.cpus_per_worker
+        if local_cpus is None or count <= local_cpus:
+            return 1.0
+        share = math.floor(local_cpus / count * 10_000) / 10_000
+        return share if share > 0 else 1.0  # a Ray without CPUs: placement says so
+
+    def bundle(self, device: str, cpus: float | None = None) -> dict[str, float]:
+        """The resources one worker reserves (one placement-group bundle); `cpus` defaults to
+        `cpus_per_worker`, else 1."""
+        if cpus is None:
+            cpus = self.cpus_per_worker if self.cpus_per_worker is not None else 1.0
+        bundle = {"CPU": cpus}
         if device == "cuda":
             bundle["GPU"] = self.gpus_per_worker
         return bundle

@@ -2,7 +2,11 @@
 
 1. Start a local Ray, or join one (`address="auto"` on a node of a running cluster).
 2. Reserve one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
-   cluster has them, else CPU workers), and start one `WorkerActor` per bundle.
+   cluster has them, else CPU workers), and start one `WorkerActor` per bundle. A local Ray
+   started here is fixed: bundles that do not fit fail at once, naming the missing resource,
+   and CPU workers outnumbering its CPUs each reserve an equal share of them
+   (`ClusterConfig.worker_cpus`). A joined Ray may grow (an autoscaler), so there a shortage is
+   reported every 15 s while the launcher waits (`cluster/placement.py`).
 3. Wait, with a progress display, until every worker has loaded its model.
 4. Serve the router (uvicorn + `router.app.create_app` over Ray backends) in this process,
    on the head node; watch the workers; add, drain and remove them live.
@@ -47,6 +51,7 @@ class Launcher:
         self.pool: WorkerPool | None = None
         self.app: Any = None
         self._owns_ray = False
+        self._local_ray = False  # a Ray this launcher started on this machine (cannot grow)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: uvicorn.Server | None = None
@@ -72,7 +77,9 @@ class Launcher:
             count = self.config.resolve_workers(device, gpus)
             model_dir = resolve_model(self.config.model)  # a built-in model is generated here
             self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
-            self.pool = WorkerPool(self.config, device, Placement(self.config.bundle(device)))
+            bundle = self.config.bundle(device, self._worker_cpus(device, count))
+            placement = Placement(bundle, fixed=self._local_ray, notify=self.echo)
+            self.pool = WorkerPool(self.config, device, placement)
             started: Future = Future()
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(
@@ -90,7 +97,9 @@ class Launcher:
     def stop(self) -> None:
         """Stop serving, kill every worker, free every bundle; stop Ray if we started it."""
         if self._loop and self._thread and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._request_exit)
+            # A failed start wakes us before its thread has closed the loop: it may be closing.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._request_exit)
             self._thread.join(timeout=30)
         if self.pool:
             self.pool.shutdown()
@@ -104,12 +113,26 @@ class Launcher:
         if self.config.address:
             ray.init(address=self.config.address, namespace=self.config.namespace)
         else:
+            # "local": a new Ray even when a `ray start` one runs here (--address auto joins it)
             ray.init(
+                address="local",
                 num_cpus=self.config.num_cpus,
                 include_dashboard=False,
                 namespace=self.config.namespace,
             )
+            self._local_ray = True
         self._owns_ray = True
+
+    def _worker_cpus(self, device: str, count: int) -> float:
+        """CPUs per worker; on a local Ray with fewer CPUs than CPU workers, a share of them."""
+        local = None
+        if self._local_ray and device == "cpu":
+            local = ray.cluster_resources().get("CPU", 0.0)
+        cpus = self.config.worker_cpus(count, local)
+        if self.config.cpus_per_worker is None and cpus != 1.0:
+            self.echo(f"radixray: this local Ray has {local:g} CPU(s) for {count} workers: each "
+                      f"reserves {cpus:g} CPU (--cpus-per-worker sets it)")
+        return cpus
 
     def _run(self, count: int, model_dir: str, started: Future) -> None:
         assert self._loop is not None
@@ -132,7 +155,7 @@ class Launcher:
         loop = asyncio.get_running_loop()
         # The router (its tokenizer) loads in a thread while the workers load their models.
         app = loop.run_in_executor(None, build_router, self.config, model_dir, self.pool)
-        beat = asyncio.create_task(progress.heartbeat())
+        beat = asyncio.create_task(progress.heartbeat(self.pool.placement))
         try:
             await self.pool.start(count, progress.update)
         finally:
@@ -179,12 +202,14 @@ class _Progress:
         elapsed = time.monotonic() - self.t0
         self.echo(f"  [{self.done}/{self.total}] {worker.worker_id} ready ({elapsed:.1f}s)")
 
-    async def heartbeat(self, every_s: float = 15.0) -> None:
-        """A line now and then while big models load, so a slow start never looks hung."""
+    async def heartbeat(self, placement: Placement, every_s: float = 15.0) -> None:
+        """A line now and then while big models load, so a slow start never looks hung; none
+        while Ray places the workers (the placement says what it waits for)."""
         while True:
             await asyncio.sleep(every_s)
-            elapsed = time.monotonic() - self.t0
-            self.echo(f"  ... {self.done}/{self.total} ready after {elapsed:.0f}s")
+            if not placement.waiting:
+                elapsed = time.monotonic() - self.t0
+                self.echo(f"  ... {self.done}/{self.total} ready after {elapsed:.0f}s")
 
 
 def _check_port(host: str, port: int) -> None:

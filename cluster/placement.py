@@ -5,15 +5,46 @@ SPREAD strategy, so Ray puts them on as many nodes as it can and reserves each b
 before any model loads. A placement group cannot grow, so a worker added live gets its own
 one-bundle group; a removed worker's bundle of the initial group is kept and handed to the next
 worker added, so scaling down then up again costs no new reservation.
+
+A group Ray cannot place at once is explained rather than waited on in silence: after
+`GRACE_S` still pending, `shortage` names each resource the bundles lack, how much is asked and
+how much the cluster has free of its total, and Ray's verdict on the group (`INFEASIBLE`: no
+node is big enough; `NO_RESOURCES`: the nodes are, but not with what is free now). What happens
+then depends on whether the cluster can change:
+
+- `fixed=True`, a local Ray that `radixray serve` started: it holds this machine and nothing
+  else, no autoscaler adds nodes and no other job frees resources, so a shortage now is a
+  shortage forever: `PlacementError` at once, with that message;
+- `fixed=False`, a Ray that was joined (`--address`, a Ray the caller had started, the Serve app
+  on KubeRay): an autoscaler may add a node for the pending group, or another job may end, so
+  the message is repeated every `NOTICE_EVERY_S` until the group is placed or the timeout ends.
+
+A pending group whose resources look sufficient (fragmented over nodes, or Ray is slow to
+update) is always waited on, with the same periodic message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger("radixray.cluster")
+
+GRACE_S = 3.0  # a group pending longer is diagnosed (one that fits takes < 1 s)
+NOTICE_EVERY_S = 15.0  # how often a wait on a cluster that may grow says what it waits for
+EPS = 1e-6  # Ray counts resources in units of 1e-4
 
 
 @dataclass(frozen=True)
@@ -33,14 +64,46 @@ class Slot:
 
 
 class PlacementError(RuntimeError):
-    """The Ray cluster cannot hold the bundles asked for within the timeout."""
+    """The Ray cluster cannot hold the bundles asked for (now on a fixed cluster, or within
+    the timeout); the message names the resources that are short."""
+
+
+def shortage(bundle: dict[str, float], count: int) -> list[str]:
+    """What the cluster lacks for `count` more bundles: one phrase per short resource, e.g.
+    'CPU: 3 x 1 = 3 requested, 2 free of 2'. Empty when the free totals would hold them."""
+    free, total = ray.available_resources(), ray.cluster_resources()
+    largest: dict[str, float] = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            for name, amount in node["Resources"].items():
+                largest[name] = max(largest.get(name, 0.0), amount)
+    short = []
+    for name, amount in bundle.items():
+        have = f"{free.get(name, 0.0):g} free of {total.get(name, 0.0):g}"
+        if amount > largest.get(name, 0.0) + EPS:
+            short.append(f"{name}: {amount:g} per worker requested, but no node has that much "
+                         f"(largest {largest.get(name, 0.0):g}; cluster {have})")
+        elif amount * count > free.get(name, 0.0) + EPS:
+            short.append(f"{name}: {count} x {amount:g} = {amount * count:g} requested, {have}")
+    return short
 
 
 class Placement:
-    """Hands out bundles of `bundle` resources; releases them when workers go."""
+    """Hands out bundles of `bundle` resources; releases them when workers go.
 
-    def __init__(self, bundle: dict[str, float]) -> None:
+    `fixed`: the cluster cannot grow, so a shortage fails at once (module docstring); `notify`
+    receives the messages of a wait (default: the log)."""
+
+    def __init__(
+        self,
+        bundle: dict[str, float],
+        fixed: bool = False,
+        notify: Callable[[str], None] | None = None,
+    ) -> None:
         self.bundle = dict(bundle)
+        self.fixed = fixed
+        self.notify = notify or log.warning
+        self.waiting = 0  # groups being waited for now
         self._groups: list[PlacementGroup] = []
         self._free: list[Slot] = []  # bundles of the initial group whose worker was removed
 
@@ -76,13 +139,37 @@ class Placement:
         self._free.clear()
 
     async def _wait(self, group: PlacementGroup, count: int, timeout_s: float) -> None:
+        """Until `group` is placed; on failure (or cancellation) the group is removed."""
         self._groups.append(group)
+        self.waiting += 1
+        ready = asyncio.ensure_future(group.ready())
+        deadline = time.monotonic() + timeout_s
         try:
-            await asyncio.wait_for(group.ready(), timeout_s)
-        except asyncio.TimeoutError:
+            wait_s = min(GRACE_S, timeout_s)
+            while not (await asyncio.wait({ready}, timeout=wait_s))[0]:
+                short = shortage(self.bundle, count)
+                what = self._explain(group, count, short)
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise PlacementError(f"{what}; gave up after {timeout_s:.0f}s")
+                if self.fixed and short:
+                    raise PlacementError(f"{what}. This local Ray cannot grow: ask for fewer "
+                                         "--workers or less per worker (--cpus-per-worker, "
+                                         "--gpus-per-worker)")
+                self.notify(f"radixray: waiting for Ray to grow or free resources "
+                            f"({left_s:.0f}s left): {what}")
+                wait_s = min(NOTICE_EVERY_S, left_s)
+            ready.result()
+        except BaseException:
+            ready.cancel()
             self._groups.remove(group)
             remove_placement_group(group)
-            raise PlacementError(
-                f"Ray could not reserve {count} x {self.bundle} within {timeout_s:.0f}s; "
-                "the cluster has too few free resources (see `ray status`)"
-            ) from None
+            raise
+        finally:
+            self.waiting -= 1
+
+    def _explain(self, group: PlacementGroup, count: int, short: list[str]) -> str:
+        """'cannot place 3 worker(s) of {'CPU': 4.0} (INFEASIBLE): CPU: ...'."""
+        state = placement_group_table(group).get("stats", {}).get("scheduling_state", "?")
+        what = "; ".join(short) or "the free resources look sufficient (fragmented over nodes?)"
+        return f"cannot place {count} worker(s) of {self.bundle} ({state}): {what}"

@@ -11,9 +11,9 @@ import urllib.request
 
 import pytest
 
-from cluster.fake_protocol import word_tokenizer
-from cluster.fake_worker import FakeWorkerConfig, serve
 from cluster.loadgen.cli import add_bench_args, run_bench
+from testing.fake_protocol import word_tokenizer
+from testing.fake_worker import FakeWorkerConfig, serve
 
 
 def _free_port():

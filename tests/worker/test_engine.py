@@ -3,28 +3,19 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, decode_batch
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_kit import assert_idle_clean, checked, greedy, make  # noqa: E402
 
 
 def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
@@ -34,28 +25,11 @@ def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[in
     return [head + [rng.randrange(3, 1000) for _ in range(length - shared)] for _ in range(n)]
 
 
-def checked(engine: Engine, step: int) -> None:
-    engine.check_integrity()
-
-
-def assert_idle_clean(engine: Engine) -> None:
-    """The conservation check of an idle engine: every slot free or evictable."""
-    s = engine.stats()
-    assert (s.running, s.waiting, s.kv_protected, s.kv_session, s.sessions) == (0, 0, 0, 0, 0)
-    assert s.kv_free + s.kv_evictable == s.kv_total
-    engine.check_integrity()
-
-
 def run(engine: Engine, ps: list[list[int]], sp: SamplingParams, tag: str = "r") -> list:
     reqs = [GenerateRequest(f"{tag}{i}", p, sp) for i, p in enumerate(ps)]
     out = run_to_completion(engine, reqs, after_step=checked)
     assert_idle_clean(engine)
     return [out[r.request_id] for r in reqs]
-
-
-def make(**kw) -> Engine:
-    kw.setdefault("kv_tokens", 4096)
-    return Engine(EngineConfig(**kw))
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,6 @@ from worker.protocol import GenerateRequest, SamplingParams
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     """A random Qwen2 (GQA, QKV bias) saved as a real HF directory."""

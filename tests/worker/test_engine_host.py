@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import random
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_kit import prompt  # noqa: E402
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
 
 
 def run(engine: Engine, rid: str, ids: list[int]):

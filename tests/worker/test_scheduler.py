@@ -3,48 +3,17 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine
 from worker.offline import run_to_completion
-from worker.protocol import GenerateRequest, SamplingParams
+from worker.protocol import GenerateRequest
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def greedy(max_tokens: int = 12) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
-
-
-def checked(engine: Engine, step: int) -> None:
-    engine.check_integrity()
-
-
-def assert_idle_clean(engine: Engine) -> None:
-    s = engine.stats()
-    assert (s.running, s.waiting, s.kv_protected, s.kv_session) == (0, 0, 0, 0)
-    assert s.kv_free + s.kv_evictable == s.kv_total
-    engine.check_integrity()
-
-
-def make(**kw) -> Engine:
-    kw.setdefault("kv_tokens", 4096)
-    return Engine(EngineConfig(**kw))
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

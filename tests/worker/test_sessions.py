@@ -2,55 +2,23 @@
 
 from __future__ import annotations
 
-import random
+import sys
 import time
+from pathlib import Path
 
 import pytest
-import torch
 
-from worker.engine import Engine, EngineConfig
+from worker.engine import Engine
 from worker.offline import run_to_completion
-from worker.protocol import GenerateRequest, SamplingParams
+from worker.protocol import GenerateRequest
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny-model steps run much faster on one thread than on several competing for the
-    few cores of a CI runner; restored afterwards for other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def greedy(max_tokens: int = 8) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 1000) for _ in range(length)]
-
-
-def checked(engine: Engine, step: int) -> None:
-    engine.check_integrity()
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
 
 
 def turn(engine: Engine, rid: str, ids: list[int], session: str | None = "s", **kw):
-    req = GenerateRequest(rid, ids, greedy(), session_id=session, **kw)
+    req = GenerateRequest(rid, ids, greedy(8), session_id=session, **kw)
     return run_to_completion(engine, [req], after_step=checked)[rid]
-
-
-def assert_idle_clean(engine: Engine) -> None:
-    s = engine.stats()
-    assert (s.running, s.waiting, s.kv_protected, s.kv_session, s.sessions) == (0, 0, 0, 0, 0)
-    assert s.kv_free + s.kv_evictable == s.kv_total
-    engine.check_integrity()
-
-
-def make(**kw) -> Engine:
-    kw.setdefault("kv_tokens", 4096)
-    return Engine(EngineConfig(**kw))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -103,7 +71,7 @@ def test_aborted_turn_and_a_new_session_turn_leave_nothing():
     engine = make(prefill_budget=16)
     p1 = prompt(40, 6)
     t1 = turn(engine, "t1", p1)
-    engine.add_request(GenerateRequest("t2", p1 + t1.token_ids + [5, 6], greedy(), session_id="s"))
+    engine.add_request(GenerateRequest("t2", p1 + t1.token_ids + [5, 6], greedy(8), session_id="s"))
     engine.step()
     engine.abort("t2")
     run_to_completion(engine, after_step=checked)

@@ -1,4 +1,4 @@
-"""OpenAI request parsing and response bodies of the fake workers (`cluster.fake_worker`), and
+"""OpenAI request parsing and response bodies of the fake workers (`testing.fake_worker`), and
 their refusal of HTTP/2 (`HTTP2_PROBES`, a filter on aiohttp's server log)."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class Http2ProbeFilter(logging.Filter):
             return True
         if not self.seen:
             self.seen = True
-            logging.getLogger("cluster.fake_worker").warning(
+            logging.getLogger("testing.fake_worker").warning(
                 "fake worker: HTTP/2 (gRPC) connections are refused with 400; HTTP/1.1 only")
         return False
 

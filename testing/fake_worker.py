@@ -19,7 +19,7 @@ per attempt. Every response names the worker in header `X-Radixray-Worker` and i
 Prompts given as token ids are used as they are; text goes through `--tokenizer` (a built-in
 model name or an HF directory, as the router uses) or, by default, one token per word.
 
-    python -m cluster.fake_worker --port 9001 --count 4     # ports 9001..9004
+    python -m testing.fake_worker --port 9001 --count 4     # ports 9001..9004
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from cluster.fake_protocol import (
+from cluster.sim.time_model import TimeProfile, h100_llama3_8b
+from cluster.sim.trace import SimRequest
+from cluster.sim.worker import RequestState, SimWorker
+from testing.fake_protocol import (
     HTTP2_PROBES,
     ResponseShape,
     error,
     load_tokenizer,
     parse_request,
 )
-from cluster.sim.time_model import TimeProfile, h100_llama3_8b
-from cluster.sim.trace import SimRequest
-from cluster.sim.worker import RequestState, SimWorker
 
 WORKER_HEADER = "X-Radixray-Worker"
 
@@ -259,7 +259,7 @@ async def serve(configs: list[FakeWorkerConfig], host: str, ports: list[int],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m cluster.fake_worker", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m testing.fake_worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9001)

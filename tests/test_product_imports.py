@@ -1,0 +1,67 @@
+"""What the product packages import (DESIGN.md, Layout): imports point down only, `mem_cache`
+<- `worker` <- `cluster`, `router` takes `mem_cache` and `worker.protocol` alone, nothing imports
+`cluster`, and nothing imports the test-only `testing` package (it is not shipped). Every import
+statement counts, type-only and function-local ones too."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("mem_cache", "worker", "router", "cluster", "testing")
+# package -> the modules of ours it may import (a name and everything below it)
+ALLOWED = {
+    "mem_cache": ("mem_cache",),
+    "worker": ("mem_cache", "worker"),
+    "router": ("mem_cache", "worker.protocol", "router"),
+    "cluster": ("mem_cache", "worker", "router", "cluster"),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module an `import` or `from ... import` in the file names."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def forbidden(package: str, module: str) -> bool:
+    """True when `module` is one of ours that `package` may not import."""
+    if module.split(".")[0] not in OURS:
+        return False  # the standard library or a dependency
+    return not any(module == a or module.startswith(a + ".") for a in ALLOWED[package])
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_down(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    offenders = {
+        str(f.relative_to(ROOT)): sorted(m for m in imported_modules(f) if forbidden(package, m))
+        for f in files
+    }
+    assert {f: m for f, m in offenders.items() if m} == {}
+
+
+def test_the_check_sees_what_it_must_refuse(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import testing\n"
+        "if TYPE_CHECKING:\n"
+        "    from worker.engine import Engine\n"
+        "def f():\n"
+        "    from testing.fake_worker import serve\n"
+    )
+    found = imported_modules(sample)
+    assert found == {"typing", "testing", "worker.engine", "testing.fake_worker"}
+    assert [m for m in sorted(found) if forbidden("router", m)] == [
+        "testing", "testing.fake_worker", "worker.engine"
+    ]
+    assert not forbidden("router", "worker.protocol") and not forbidden("router", "typing")
+    assert forbidden("worker", "cluster.config") and forbidden("mem_cache", "worker")

@@ -1,0 +1,40 @@
+"""Set-up and checks shared by the engine tests: an engine on the built-in `tiny` model, greedy
+sampling, random prompts, and the integrity checks run after every step and at idle.
+
+Imported as `from engine_kit import ...` after putting this folder on `sys.path` (pytest's
+importlib mode puts no test folder there), as tests/router does with app_testkit."""
+
+from __future__ import annotations
+
+import random
+
+from worker.engine import Engine, EngineConfig
+from worker.protocol import SamplingParams
+
+
+def make(**kw) -> Engine:
+    """An engine with 4,096 KV slots unless `kv_tokens` says otherwise."""
+    kw.setdefault("kv_tokens", 4096)
+    return Engine(EngineConfig(**kw))
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def checked(engine: Engine, step: int) -> None:
+    """`after_step` of `run_to_completion`: the integrity check after every step."""
+    engine.check_integrity()
+
+
+def assert_idle_clean(engine: Engine) -> None:
+    """The conservation check of an idle engine: every slot free or evictable."""
+    s = engine.stats()
+    assert (s.running, s.waiting, s.kv_protected, s.kv_session, s.sessions) == (0, 0, 0, 0, 0)
+    assert s.kv_free + s.kv_evictable == s.kv_total
+    engine.check_integrity()
