@@ -30,7 +30,7 @@ def test_serve_defaults_are_the_laptop_setup(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     config = ClusterConfig.from_args(build_parser().parse_args(["serve"]))
     assert (config.model, config.host, config.port, config.address) == (
-        "tiny", "127.0.0.1", 8000, None)
+        "smollm2-135m-instruct", "127.0.0.1", 8000, None)
     assert config.resolve_device(cluster_gpus=0) == "cpu"
     assert config.resolve_workers("cpu", 0) == 2
     assert config.bundle("cpu") == {"CPU": 1.0}
@@ -157,7 +157,8 @@ class Serve:
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         self.proc = subprocess.Popen(
-            [*_command(), "serve", "--port", str(port), "--kv-tokens", "4096", "--num-cpus", "2"],
+            [*_command(), "serve", "--model", "tiny", "--port", str(port), "--kv-tokens", "4096",
+             "--num-cpus", "2"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True,  # its own process group, as a shell gives a foreground job
         )
