@@ -62,7 +62,8 @@ class ClusterConfig:
     max_restarts: int = -1  # Ray restarts of a dead worker actor (-1: always)
     ready_timeout_s: float = 900.0  # how long a worker may take to load its model
     watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
-    namespace: str = "radixray"  # Ray namespace of the worker actors
+    namespace: str = "radixray"  # Ray namespace of the fleet and worker actors
+    fleet_name: str = "radixray-fleet"  # the fleet actor's name: routers find the workers by it
     cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
 
     def __post_init__(self) -> None:

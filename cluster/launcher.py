@@ -1,20 +1,23 @@
 """`Launcher`: one radixray cluster run from this process (what `radixray serve` does).
 
 1. Start a local Ray, or join one (`address="auto"` on a node of a running cluster).
-2. Reserve one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
-   cluster has them, else CPU workers), and start one `WorkerActor` per bundle. A local Ray
+2. Start the fleet (`cluster/fleet.py`): a detached, named actor that owns the workers. It
+   reserves one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
+   cluster has them, else CPU workers), and starts one `WorkerActor` per bundle. A local Ray
    started here is fixed: bundles that do not fit fail at once, naming the missing resource,
    and CPU workers outnumbering its CPUs each reserve an equal share of them
    (`ClusterConfig.worker_cpus`). A joined Ray may grow (an autoscaler), so there a shortage is
-   reported every 15 s while the launcher waits (`cluster/placement.py`).
+   reported every 15 s while the fleet waits (`cluster/placement.py`).
 3. Wait, with a progress display, until every worker has loaded its model.
-4. Serve the router (uvicorn + `router.app.create_app` over Ray backends) in this process,
-   on the head node; watch the workers; add, drain and remove them live.
-5. On Ctrl-C / SIGTERM: stop the server, kill the workers, free the bundles, and stop the
-   local Ray if this process started it, so no Ray process is left behind.
+4. Serve the router (uvicorn + `router.app.create_app` over Ray backends) in this process, on
+   the head node: it joins the fleet's workers and follows the fleet's changes
+   (`cluster/router_link.py`); adding, draining and removing workers are asked of the fleet.
+5. On Ctrl-C / SIGTERM: stop the server, then stop the fleet explicitly (it kills the workers
+   and frees the bundles), and stop the local Ray if this process started it, so no Ray
+   process is left behind.
 
-The router, the watcher and the admin calls share one asyncio loop in a background thread,
-so the main thread stays free for signals (and a test can run a launcher in-process).
+The router and its link to the fleet share one asyncio loop in a background thread, so the
+main thread stays free for signals (and a test can run a launcher in-process).
 """
 
 from __future__ import annotations
@@ -32,11 +35,11 @@ from typing import Any
 
 import ray
 import uvicorn
+from ray.exceptions import RayTaskError
 
 from cluster.config import ClusterConfig
-from cluster.placement import Placement
-from cluster.router_link import build_router, join, pool_backends
-from cluster.worker_pool import Worker, WorkerPool
+from cluster.fleet import Member, create_fleet, stop_fleet
+from cluster.router_link import build_router
 from worker.models.builtin import resolve_model
 
 log = logging.getLogger("radixray.cluster")
@@ -48,14 +51,14 @@ class Launcher:
     def __init__(self, config: ClusterConfig, echo: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.pool: WorkerPool | None = None
+        self.fleet: Any = None  # the fleet actor's handle
         self.app: Any = None
         self._owns_ray = False
         self._local_ray = False  # a Ray this launcher started on this machine (cannot grow)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: uvicorn.Server | None = None
-        self._watch: asyncio.Task | None = None
+        self._follow: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -78,8 +81,7 @@ class Launcher:
             model_dir = resolve_model(self.config.model)  # a built-in model is generated here
             self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
             bundle = self.config.bundle(device, self._worker_cpus(device, count))
-            placement = Placement(bundle, fixed=self._local_ray, notify=self.echo)
-            self.pool = WorkerPool(self.config, device, placement)
+            self.fleet = create_fleet(self.config, device, bundle, fixed=self._local_ray)
             started: Future = Future()
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(
@@ -94,15 +96,21 @@ class Launcher:
         self.echo(f"radixray: ready in {time.monotonic() - t0:.1f}s at {self.url}")
         return self.url
 
+    def workers(self) -> dict[str, Member]:
+        """The fleet's workers now, by id."""
+        _, members = ray.get(self.fleet.members.remote())
+        return {m.worker_id: m for m in members}
+
     def stop(self) -> None:
-        """Stop serving, kill every worker, free every bundle; stop Ray if we started it."""
+        """Stop serving, then the fleet (every worker, every bundle); stop Ray if we started it."""
         if self._loop and self._thread and self._thread.is_alive():
             # A failed start wakes us before its thread has closed the loop: it may be closing.
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._request_exit)
             self._thread.join(timeout=30)
-        if self.pool:
-            self.pool.shutdown()
+        if self.fleet is not None and ray.is_initialized():
+            stop_fleet(self.fleet)
+            self.fleet = None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -150,17 +158,11 @@ class Launcher:
             self._loop.close()
 
     async def _serve(self, count: int, model_dir: str, started: Future) -> None:
-        assert self.pool is not None
-        progress = _Progress(count, self.echo)
         loop = asyncio.get_running_loop()
         # The router (its tokenizer) loads in a thread while the workers load their models.
-        app = loop.run_in_executor(None, build_router, self.config, model_dir, self.pool)
-        beat = asyncio.create_task(progress.heartbeat(self.pool.placement))
-        try:
-            await self.pool.start(count, progress.update)
-        finally:
-            beat.cancel()
-        self.app = await app
+        built = loop.run_in_executor(None, build_router, self.config, model_dir, self.fleet)
+        await self._start_fleet(count)
+        self.app, link = await built
         uv = uvicorn.Config(
             self.app, host=self.config.host, port=self.config.port,
             log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
@@ -172,13 +174,38 @@ class Launcher:
         if serving.done():
             serving.result()
             raise RuntimeError(f"the router could not listen on {self.url}")
-        await join(self.app, pool_backends(self.pool))
-        self._watch = asyncio.create_task(self.pool.watch())
+        await link.join()
+        self._follow = asyncio.create_task(link.follow())
         started.set_result(None)
         await serving
-        self._watch.cancel()
+        self._follow.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await self._watch
+            await self._follow
+
+    async def _start_fleet(self, count: int) -> None:
+        """Start the fleet's workers, showing each as it becomes ready; a failure of the fleet
+        (a `PlacementError`, a model that does not load) is raised as itself."""
+        progress = _Progress(count, self.echo)
+        beat = asyncio.create_task(progress.heartbeat(self.fleet))
+        starting = asyncio.ensure_future(self.fleet.start.remote(count))
+        version, shown = -1, set()
+        try:
+            while not starting.done():
+                change = asyncio.ensure_future(self.fleet.changes.remote(version, 5.0))
+                await asyncio.wait({starting, change}, return_when=asyncio.FIRST_COMPLETED)
+                if change.done():
+                    version, members = change.result()
+                    for m in members:
+                        if m.state == "ready" and m.worker_id not in shown:
+                            shown.add(m.worker_id)
+                            progress.update(m.worker_id)
+                else:
+                    change.cancel()
+            starting.result()
+        except RayTaskError as exc:
+            raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
+        finally:
+            beat.cancel()
 
     def _request_exit(self) -> None:
         if self._server is not None:
@@ -197,17 +224,17 @@ class _Progress:
         self.t0 = time.monotonic()
         echo(f"radixray: loading the model on {total} worker(s)...")
 
-    def update(self, worker: Worker) -> None:
+    def update(self, worker_id: str) -> None:
         self.done += 1
         elapsed = time.monotonic() - self.t0
-        self.echo(f"  [{self.done}/{self.total}] {worker.worker_id} ready ({elapsed:.1f}s)")
+        self.echo(f"  [{self.done}/{self.total}] {worker_id} ready ({elapsed:.1f}s)")
 
-    async def heartbeat(self, placement: Placement, every_s: float = 15.0) -> None:
+    async def heartbeat(self, fleet: Any, every_s: float = 15.0) -> None:
         """A line now and then while big models load, so a slow start never looks hung; none
         while Ray places the workers (the placement says what it waits for)."""
         while True:
             await asyncio.sleep(every_s)
-            if not placement.waiting:
+            if not await fleet.placing.remote():
                 elapsed = time.monotonic() - self.t0
                 self.echo(f"  ... {self.done}/{self.total} ready after {elapsed:.0f}s")
 
