@@ -51,6 +51,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"
+    router_replicas: int = 1  # router replicas (`--routers`), all answering on one address
     kv_tokens: int | None = None  # KV slots per worker; None: sized from free memory
     page_size: int = 1
     block_size: int = 16
@@ -73,6 +74,8 @@ class ClusterConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.workers is not None and self.workers < 0:
             raise ValueError("workers must be >= 0")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         cpus = self.cpus_per_worker

@@ -26,7 +26,8 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
-from cluster.worker_pool import WorkerPool
+from cluster.worker_pool import WorkerPool, engine_config
+from worker.engine import EngineConfig
 
 log = logging.getLogger("radixray.cluster")
 
@@ -102,6 +103,10 @@ class FleetActor:
         await self.pool.remove(worker_id)
         return True
 
+    def engine(self) -> EngineConfig:
+        """The engine config every worker of this fleet runs."""
+        return self.pool.engine
+
     def placing(self) -> bool:
         """True while Ray places the workers (the placement's notices say what it waits for)."""
         starting = self._start is not None and not self._start.done() and not self.pool.workers
@@ -142,9 +147,19 @@ def create_fleet(config: ClusterConfig, device: str, bundle: dict[str, float],
     return _fleet_options(config).remote(config, device, bundle, fixed)
 
 
-def get_or_create_fleet(config: ClusterConfig, device: str, bundle: dict[str, float]) -> Any:
-    """The running fleet of that name, else a new one (what every Serve replica does)."""
-    return _fleet_options(config, get_if_exists=True).remote(config, device, bundle, False)
+async def get_or_create_fleet(config: ClusterConfig, device: str,
+                              bundle: dict[str, float]) -> Any:
+    """The running fleet of that name, else a new one (what every Serve replica does).
+
+    RuntimeError when the running fleet's workers run another engine config (a redeploy that
+    changed the model or the KV knobs must name a new `fleet_name`)."""
+    fleet = _fleet_options(config, get_if_exists=True).remote(config, device, bundle, False)
+    running = await fleet.engine.remote()
+    wanted = engine_config(config, device)
+    if running != wanted:
+        raise RuntimeError(f"the running fleet {config.fleet_name!r} runs {running}, not "
+                           f"{wanted}: name a new fleet_name (and stop the old fleet)")
+    return fleet
 
 
 def find_fleet(config: ClusterConfig) -> Any | None:

@@ -9,8 +9,11 @@ cluster.
 The router replica does not own the workers. The fleet (`cluster/fleet.py`, a detached actor
 named `fleet_name`) does: the first replica creates it (get-or-create by name), and a replica
 that Serve restarts, or a new replica of a rollout, joins the running fleet and rebuilds its
-index from the workers' snapshots. Deleting the app leaves the fleet running (its workers keep
-their caches for the next deployment); `cluster.fleet.stop_fleet` stops it.
+index from the workers' snapshots. `router_replicas` replicas run side by side, each over every
+worker. A redeploy that changes the workers' own knobs (model, KV sizes) must name a new
+`fleet_name`: a replica refuses to join a fleet whose workers run another engine config.
+Deleting the app leaves the fleet running (its workers keep their caches for the next
+deployment); `cluster.fleet.stop_fleet` stops it.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class RadixrayRouter:
         device = self.config.resolve_device(gpus)
         count = self.config.resolve_workers(device, gpus)
         model_dir = str(resolve_model(self.config.model))
-        fleet = get_or_create_fleet(self.config, device, self.config.bundle(device))
+        fleet = await get_or_create_fleet(self.config, device, self.config.bundle(device))
         await fleet.start.remote(count)  # at once when the fleet already runs
         self.router_app, link = build_router(self.config, model_dir, fleet)
         await link.join()
@@ -64,5 +67,8 @@ class RadixrayRouter:
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """The Serve application (import path `cluster.serve_app:build_app`)."""
-    return RadixrayRouter.bind(dict(args or {}))
+    """The Serve application (import path `cluster.serve_app:build_app`), with
+    `router_replicas` replicas."""
+    args = dict(args or {})
+    config = ClusterConfig.from_dict({k: v for k, v in args.items() if k not in IGNORED_ARGS})
+    return RadixrayRouter.options(num_replicas=config.router_replicas).bind(args)

@@ -1,6 +1,7 @@
-"""Workers outlive routers, on a real local Ray: the fleet actor owns the workers; a router (the
-Ray Serve replica) killed with SIGKILL is restarted by Serve, joins the running fleet and
-rebuilds its index from the workers' snapshots, so a warm prompt is still a cache hit."""
+"""Workers outlive routers, on a real local Ray: the fleet actor owns the workers; a router (one
+of the Ray Serve app's two replicas) killed with SIGKILL is restarted by Serve, joins the
+running fleet and rebuilds its index from the workers' snapshots, so a warm prompt is still a
+cache hit."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def served(helpers):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ClusterConfig(fleet_name=FLEET)
     try:
-        serve.run(build_app({"workers": 2, "kv_tokens": 4096, "port": 1, "fleet_name": FLEET}),
+        serve.run(build_app({"workers": 2, "kv_tokens": 4096, "port": 1, "fleet_name": FLEET,
+                             "router_replicas": 2}),
                   name="radixray", route_prefix="/")
         yield f"http://127.0.0.1:{port}", find_fleet(config)
     finally:
@@ -71,14 +73,16 @@ def test_a_killed_serve_replica_rejoins_the_fleet_and_its_cache(served, helpers)
     again, cached = ask(url)
     assert again == holder and cached > 0
     workers_before = worker_pids(fleet)
-    [replica_pid] = alive_pids("RadixrayRouter").values()
+    replica_pids = sorted(alive_pids("RadixrayRouter").values())
+    assert len(replica_pids) == 2
+    replica_pid = replica_pids[0]
 
     os.kill(replica_pid, signal.SIGKILL)
     killed = time.monotonic()
 
     def new_replica() -> bool:
         pids = list(alive_pids("RadixrayRouter").values())
-        return bool(pids) and replica_pid not in pids
+        return len(pids) == 2 and replica_pid not in pids
 
     helpers.wait_for(new_replica, 120, "Serve to restart the router replica")
 
