@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
@@ -180,6 +181,9 @@ def stop_fleet(fleet: Any, timeout_s: float = 60.0) -> None:
 
 
 def _fleet_options(config: ClusterConfig, get_if_exists: bool = False) -> Any:
+    # On the caller's node (the head, where `radixray serve` and the Serve replicas run): a
+    # lost worker node must not take the fleet, and with it every worker, along.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return _RemoteFleet.options(
         name=config.fleet_name,
         namespace=config.namespace,
@@ -187,4 +191,5 @@ def _fleet_options(config: ClusterConfig, get_if_exists: bool = False) -> Any:
         get_if_exists=get_if_exists,
         num_cpus=0,  # it only waits on its workers; CPUs go to them
         max_restarts=0,  # a new fleet would be empty: its workers die with the old one
+        scheduling_strategy=here,
     )
