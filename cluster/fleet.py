@@ -54,6 +54,7 @@ class FleetActor:
         self.pool = WorkerPool(config, device, placement, on_change=self._changed)
         self.version = 0
         self._bumped = asyncio.Event()
+        self._started = asyncio.Event()  # set once a start has succeeded
         self._start: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
 
@@ -74,6 +75,12 @@ class FleetActor:
             raise
         if self._watch is None:
             self._watch = asyncio.get_running_loop().create_task(self.pool.watch())
+        self._started.set()
+
+    async def started(self) -> None:
+        """Returns once the fleet's start has succeeded (at once after that): a router that
+        loads beside the workers waits here before it serves."""
+        await self._started.wait()
 
     def members(self) -> tuple[int, list[Member]]:
         """(version, every worker) now."""

@@ -68,8 +68,10 @@ class Launcher:
             self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
             bundle = self.config.bundle(device, self._worker_cpus(device, count))
             self.fleet = create_fleet(self.config, device, bundle, fixed=self._local_ray)
-            self._start_fleet(count)
-            self._start_routers(str(model_dir))
+            starting = self.fleet.start.remote(count)
+            self._start_routers(str(model_dir))  # they load while the workers load
+            self._wait_fleet(starting, count)
+            self._wait_routers()
         except BaseException:
             self.stop()
             raise
@@ -125,11 +127,10 @@ class Launcher:
                       f"reserves {cpus:g} CPU (--cpus-per-worker sets it)")
         return cpus
 
-    def _start_fleet(self, count: int) -> None:
-        """Start the fleet's workers, showing each as it becomes ready; a failure of the fleet
-        (a `PlacementError`, a model that does not load) is raised as itself."""
+    def _wait_fleet(self, starting: ray.ObjectRef, count: int) -> None:
+        """Wait for the fleet's start, showing each worker as it becomes ready; a failure of the
+        fleet (a `PlacementError`, a model that does not load) is raised as itself."""
         progress = _Progress(count, self.echo)
-        starting = self.fleet.start.remote(count)
         version, shown = -1, set()
         try:
             while not ray.wait([starting], timeout=0)[0]:
@@ -144,7 +145,8 @@ class Launcher:
             raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
 
     def _start_routers(self, model_dir: str) -> None:
-        """`router_replicas` replicas on this node (they share its port); wait until all serve."""
+        """`router_replicas` replicas on this node (they share its port); each serves once the
+        fleet has started."""
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         options = _RemoteRouter.options(
             num_cpus=0,  # a router waits on I/O; CPUs go to the workers
@@ -154,6 +156,8 @@ class Launcher:
         )
         count = self.config.router_replicas
         self.routers = [options.remote(self.config, model_dir) for _ in range(count)]
+
+    def _wait_routers(self) -> None:
         try:
             ray.get([r.ready.remote() for r in self.routers])
         except RayTaskError as exc:

@@ -83,7 +83,8 @@ class RouterActor:
         fleet = find_fleet(self.config)
         if fleet is None:
             raise RuntimeError(f"no fleet named {self.config.fleet_name!r} runs on this Ray")
-        app, link = build_router(self.config, self.model_dir, fleet)
+        app, link = build_router(self.config, self.model_dir, fleet)  # loads the tokenizer
+        await fleet.started.remote()  # serve once the workers are up
         uv = uvicorn.Config(
             _RouterHeader(app, str(os.getpid()).encode()), log_level="warning", lifespan="on",
             timeout_graceful_shutdown=5,
