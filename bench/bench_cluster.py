@@ -60,7 +60,8 @@ def serve_to_first_answer(timeout_s: float = 600.0) -> float:
     """Seconds from launching `radixray serve --port P` to its first chat answer."""
     port = free_port()
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--model", "tiny",
+                             "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     body = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
     try:

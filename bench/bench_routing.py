@@ -5,10 +5,9 @@ chained-hash stand-ins, spread over the workers in 512-block chains), and some w
 prefix of the measured prompt: one holds 3/4 of it, one 1/2, a quarter of them a shared
 64-block system prompt. Then, per iteration:
 
-- decide: `RoutingCore.decide` (expiry check, match for every worker, views, policy): the
-  routing decision itself (goal: < 100 us p50 at 8k tokens, 16 workers);
-- route+finish: `RoutingCore.route` (the decision plus booking, optimistic index entries)
-  followed by `finish`: the whole per-request cost in the router;
+- route+finish: `RoutingCore.route` (expiry check, match for every worker, views with their
+  estimates, policy, booking, optimistic index entries) followed by `finish`: the whole
+  per-request cost in the router;
 - hash: `block_hashes` of the prompt's tokens, for reference (done once per request too).
 
 Each figure is a percentile of per-call wall time; `cpu` is the same call's thread CPU time,
@@ -83,7 +82,8 @@ def bench_one(workers: int, tokens: int, args: argparse.Namespace, seed: int) ->
     prompt = [rng.randrange(32000) for _ in range(tokens)]
     hashes = block_hashes(prompt, None, BLOCK)
     share_prompt(core, hashes, workers)
-    expected = core.decide("probe", hashes, tokens, 128)
+    expected = core.route("probe", hashes, tokens, 128)
+    core.finish("probe")
 
     def route_finish(i: int) -> None:
         core.route(f"r{i}", hashes, tokens, 128)
@@ -92,7 +92,6 @@ def bench_one(workers: int, tokens: int, args: argparse.Namespace, seed: int) ->
     gc.collect()
     gc.disable()  # a collection of the 1M-entry index is not part of a decision
     try:
-        decide = timed_us(lambda i: core.decide(f"d{i}", hashes, tokens, 128), args.iters)
         route = timed_us(route_finish, args.iters)
         hashing = timed_us(lambda i: block_hashes(prompt, None, BLOCK), args.iters)
     finally:
@@ -103,7 +102,7 @@ def bench_one(workers: int, tokens: int, args: argparse.Namespace, seed: int) ->
         "index_entries": core.index_blocks(),
         "chosen": [expected.worker_id, expected.reason],
     }
-    for name, (wall, cpu) in (("decide", decide), ("route_finish", route), ("hash", hashing)):
+    for name, (wall, cpu) in (("route_finish", route), ("hash", hashing)):
         row[f"{name}_p50_us"] = round(pct(wall, 0.5), 1)
         row[f"{name}_p99_us"] = round(pct(wall, 0.99), 1)
         row[f"{name}_cpu_p50_us"] = round(pct(cpu, 0.5), 1)
@@ -132,9 +131,7 @@ def main() -> None:
             if not args.json:
                 print(
                     f"{workers:3d} workers {tokens:6d} tokens"
-                    f"  decide p50 {row['decide_p50_us']:6.1f} p99 {row['decide_p99_us']:7.1f}"
-                    f" cpu p50 {row['decide_cpu_p50_us']:6.1f} us |"
-                    f" route+finish p50 {row['route_finish_p50_us']:6.1f}"
+                    f"  route+finish p50 {row['route_finish_p50_us']:6.1f}"
                     f" p99 {row['route_finish_p99_us']:7.1f}"
                     f" cpu p50 {row['route_finish_cpu_p50_us']:6.1f} us |"
                     f" hash p50 {row['hash_p50_us']:6.1f} us  (runs {args.runs},"

@@ -13,6 +13,7 @@ import uvicorn
 from router.app import create_app
 from router.backends import HttpBackend
 from router.config import RouterConfig
+from router.tokenizer import Tokenizer
 from worker.models.builtin import resolve_model
 
 
@@ -28,8 +29,12 @@ def main() -> None:
     config = RouterConfig(
         model=args.model, tokenizer=str(resolve_model(args.tokenizer)), policy=args.policy
     )
-    backends = [HttpBackend(f"w{i}", url, model=args.model) for i, url in enumerate(args.workers)]
-    app = create_app(config, backends)
+    tokenizer = Tokenizer(config.tokenizer)
+    backends = [
+        HttpBackend(f"w{i}", url, model=args.model, encode=tokenizer.encode_plain)
+        for i, url in enumerate(args.workers)
+    ]
+    app = create_app(config, backends, tokenizer=tokenizer)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

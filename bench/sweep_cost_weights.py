@@ -5,14 +5,13 @@ with the best other policy's mean and p99 TTFT: from a saved matrix run (`--base
 `--out` of bench/sim_mooncake_matrix.py) or else `BEST_OTHER`, a seed-0 run of the other
 policies from before the decode-step fit (pass `--baseline` for current figures).
 
-    python bench/sweep_cost_weights.py --baseline matrix.json '{"compute_weight": 16}'
+    python bench/sweep_cost_weights.py --baseline matrix.json '{"compute": {"weight": 16}}'
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import io
 import json
 from concurrent.futures import ProcessPoolExecutor
@@ -30,17 +29,15 @@ BEST_OTHER = {
 
 
 def run_setting(setting: tuple[int, int, float], weights: dict, trace: str, seed: int) -> dict:
-    import cluster.sim.routing as routing
     from cluster.sim.cli import add_simulate_args, run_simulate
-    from router.cost_config import CostConfig
 
-    routing.CostConfig = functools.partial(CostConfig, **weights)  # this process only
     parser = argparse.ArgumentParser()
     add_simulate_args(parser)
     workers, kv_tokens, load = setting
     args = parser.parse_args([
         "--trace", trace, "--workers", str(workers), "--kv-tokens", str(kv_tokens),
         "--load", str(load), "--policy", "cost", "--json", "--no-progress", "--seed", str(seed),
+        "--cost-config", json.dumps(weights),
     ])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -62,7 +59,7 @@ def best_other(settings: list[dict]) -> dict[tuple[int, int, float], tuple[float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("weights", nargs="?", default="{}", help="CostConfig overrides, JSON")
+    parser.add_argument("weights", nargs="?", default="{}", help="--cost-config overrides, JSON")
     parser.add_argument("--trace", default=str(TRACE))
     parser.add_argument("--seed", type=int, default=0, help="the baseline run's seed")
     parser.add_argument("--baseline", metavar="JSON", help="the other policies' figures: a "

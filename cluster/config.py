@@ -35,11 +35,13 @@ def json_object(text: str) -> dict:
 class ClusterConfig:
     """How many workers of which model, where the router listens, and which Ray to use.
 
-    Defaults are the laptop set-up: a local Ray, the built-in `tiny` model, 2 CPU workers, the
-    router on 127.0.0.1:8000 with the `cost` policy.
+    Defaults are the laptop set-up: a local Ray, SmolLM2-135M-Instruct (real weights, fetched
+    from the package registry on first use), 2 CPU workers, the router on 127.0.0.1:8000 with
+    the `cost` policy.
     """
 
-    model: str = "tiny"  # built-in name ("tiny", "small") or an HF model directory
+    # a model name (worker.models.builtin.MODEL_NAMES), a .gguf file or an HF model directory
+    model: str = "smollm2-135m-instruct"
     workers: int | None = None  # None: one per GPU group on a GPU cluster, else 2 CPU workers
     gpus_per_worker: float = 1.0  # GPUs reserved per worker when device is cuda
     # CPUs reserved per worker (the engine loop's core); None: 1, or a share of a local Ray's
@@ -65,7 +67,7 @@ class ClusterConfig:
     watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
     namespace: str = "radixray"  # Ray namespace of the fleet and worker actors
     fleet_name: str = "radixray-fleet"  # the fleet actor's name: routers find the workers by it
-    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
+    cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
 
     def __post_init__(self) -> None:
         if self.api_key is None:

@@ -13,10 +13,10 @@ poll (`FleetActor.changes`) on its own event loop:
   then probes it and re-adds it, empty, when Ray has restarted it;
 - a member is gone from the fleet (removed through any router): the router detaches it.
 
-Admin calls (`FleetControl`): add asks the fleet for a worker, waits for its model and
-attaches it here (other routers see it in the fleet's next change); drain / remove stop routing
-here first (a drain waits for this router's in-flight requests), then ask the fleet to kill the
-actor and free its bundle.
+Admin calls (`FleetControl`): add asks the fleet for a worker, waits for its model and hands
+its backend to this router (other routers see it in the fleet's next change); drain / remove
+stop routing here first (a drain waits for this router's in-flight requests), then ask the
+fleet to kill the actor and free its bundle.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class FleetLink:
 
     def __init__(self, fleet: Any) -> None:
         self.fleet = fleet
-        self.registry: Any = None  # the router's `WorkerRegistry`, set by `build_router`
+        self.registry: Any = None  # the router's `WorkerSync`, set by `build_router`
         self.version = -1
         self.attached: set[str] = set()  # members this router has attached (ready or dead)
 
@@ -72,12 +72,6 @@ class FleetLink:
                 self.registry.attach(RayBackend(member.worker_id, member.actor))
             self._apply(members)
 
-    async def attach(self, member: Member) -> None:
-        """Attach a worker this router asked for (unless the fleet's changes did already)."""
-        if member.worker_id not in self.attached:
-            self.attached.add(member.worker_id)
-            await self.registry.add(RayBackend(member.worker_id, member.actor))
-
     def _new_ready(self, members: list[Member]) -> list[Member]:
         """Ready members not attached yet; they count as attached from now on."""
         new = [m for m in members if m.state == "ready" and m.worker_id not in self.attached]
@@ -96,13 +90,14 @@ class FleetLink:
 
 
 class FleetControl:
-    """`router.service.WorkerControl` over the fleet (runs on the router's loop)."""
+    """`router.admin.WorkerControl` over the fleet (runs on the router's loop)."""
 
     def __init__(self, link: FleetLink) -> None:
         self.link = link
 
-    async def add_worker(self) -> str:
-        """Start one worker; returns its id once its model is loaded and it is attached here.
+    async def add_worker(self) -> RayBackend:
+        """Start one worker; returns its backend once its model is loaded (the router then
+        registers it; the fleet's change that announces it is not attached again here).
 
         No room on the cluster, or a worker that fails to load: 503 with the reason."""
         try:
@@ -111,8 +106,8 @@ class FleetControl:
             cause = getattr(exc, "cause", None) or exc
             raise APIError(503, f"could not add a worker: {cause}",
                            code="worker_unavailable") from exc
-        await self.link.attach(member)
-        return member.worker_id
+        self.link.attached.add(member.worker_id)
+        return RayBackend(member.worker_id, member.actor)
 
     async def remove_worker(self, worker_id: str) -> None:
         """Kill the worker's actor and free its bundle (this router has already let go)."""

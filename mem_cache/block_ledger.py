@@ -48,6 +48,17 @@ class BlockLedger:
         if run:
             self.out.append(BlockStored(run, before, self.medium))
 
+    def check(self, nodes: list[TreeNode], holds: Callable[[TreeNode], bool]) -> None:
+        """Raise `AssertionError` unless the holder counts match the `nodes` where `holds`."""
+        if self.refs is None:
+            return
+        counts: dict[int, int] = {}
+        for node in nodes:
+            if holds(node):
+                for h in node.hashes:
+                    counts[h] = counts.get(h, 0) + 1
+        assert counts == self.refs, "events: block holder counts do not match the tree"
+
     def removed(self, hashes: list[int]) -> None:
         """A node lost the medium: `hashes` are its blocks."""
         refs = self.refs

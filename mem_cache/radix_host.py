@@ -1,83 +1,172 @@
-"""The host-memory tier of the radix cache (a mixin of `RadixCache`).
+"""The host-memory tier of the radix cache: an object the `RadixCache` owns and calls at a few
+points of its life (insert, match, device eviction, load back, reset, integrity).
 
 A node's KV lives on device (`not node.evicted`), on host (`node.host_value`), or both. Both
 sets are prefix-closed: a node is on device only if its parent is, and backed up on host only
-if its parent is (the write path backs up parents first). Policies decide when the device->host
-copy (the "backup") happens:
+if its parent is (a backup copies the missing ancestors first). Policies decide when the
+device->host copy (the "backup") happens:
 
 - `write_through`: when a node is inserted;
 - `write_through_selective`: when a node is used the second time;
 - `write_back`: when the device evicts it.
 
-Device `evict` demotes a backed-up node (frees its device pages, keeps it in the tree on host)
-and drops a node with no backup. `evict_host` removes host-only leaves that no in-flight copy
-or `protect_host` pins (`host_ref`), LRU first, cascading to host-only parents. A match walks
-on past the device prefix into host-only nodes (`MatchResult.host_length`); `load_back` copies
-them to device, all or nothing, with the device path locked meanwhile.
+Device eviction demotes a backed-up node (the cache frees its device pages, the node stays in
+the tree on host) and drops a node with no backup. `evict` removes host-only leaves that no
+in-flight copy or `protect` pins (`host_ref`), LRU first, cascading to host-only parents.
 
 In-flight device->host copies hold a device lock and a host protection on the node written;
-they complete in issue order and are collected at every public call (`flush()` waits for all).
-Host blocks are reported (`medium="host"`) when their copy completes and when they are removed.
+they complete in issue order and are collected at every public call of the cache (`flush`
+waits for all). Host blocks are reported (`medium="host"`) when their copy completes and when
+they are removed.
+
+`HostTier` is the interface, and the tier of a cache without host memory (its hooks do
+nothing); `HostMemoryTier` is the tier with host memory.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from mem_cache.allocator import KVAllocator, pages_to_slots
-from mem_cache.block_ledger import BlockLedger
-from mem_cache.events import HOST
+from mem_cache.block_ledger import BlockLedger, snapshot_stored
+from mem_cache.events import HOST, BlockStored
 from mem_cache.host_cache import KVCopier, NullCopier
-from mem_cache.radix_node import TreeNode
-
-if TYPE_CHECKING:
-    from mem_cache.radix_cache import RadixCache
+from mem_cache.radix_node import TreeNode, last_block_hash
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 SELECTIVE_HITS = 2  # write_through_selective backs a node up on its second use
 
 
-class HostTier:
-    """Host-tier state and operations; mixed into `RadixCache` (which owns the tree)."""
+class Tree(Protocol):
+    """What the host tier asks of the cache that owns it."""
 
-    def _init_host(
-        self: RadixCache,
-        host_allocator: KVAllocator | None,
+    root: TreeNode
+
+    def lock(self, node: TreeNode) -> None: ...
+
+    def unlock(self, node: TreeNode) -> None: ...
+
+    def detach(self, node: TreeNode) -> None: ...
+
+
+class HostTier:
+    """The cache's calls into its host tier. This base is the tier of a cache without host
+    memory: nothing is ever backed up, so nothing is demoted, loaded back or pinned, and every
+    hook does nothing. `HostMemoryTier` is the real one."""
+
+    def __init__(self, copier: KVCopier | None = None) -> None:
+        self.allocator: KVAllocator | None = None  # host pages
+        self.copier = copier if copier is not None else NullCopier()  # moves the KV
+        self.writes: Sized = ()  # copies to host in flight, oldest first
+
+    def size(self) -> int:
+        """Tokens with a host copy (complete or in flight)."""
+        return 0
+
+    def collect(self) -> None:
+        """Finish the copies that completed (the cache calls it at every public call)."""
+
+    def flush(self) -> None:
+        """Wait for every copy in flight and finish its bookkeeping."""
+
+    def after_use(self, path: list[TreeNode], inserted: bool) -> None:
+        """`path` was just matched or inserted (its device nodes first): apply the policy."""
+
+    def split(self, child: TreeNode, upper: TreeNode, length: int) -> None:
+        """`upper` took the first `length` tokens of `child`: give it its share of the host
+        state (a split parent without its host copy would get its leaf dropped, not demoted)."""
+
+    def offload(self, node: TreeNode) -> bool:
+        """The device evicts `node`: True if it keeps a complete host copy (demote it), False
+        if it has none (remove it)."""
+        return False
+
+    def rerank(self, node: TreeNode) -> None:
+        """A host-only node was demoted or used: (re)enter it among the host-eviction
+        candidates if it is an unpinned leaf."""
+
+    def loaded(self, node: TreeNode) -> None:
+        """`node` is back on device (load back or insert over it)."""
+
+    def copy_to_device(self, path: list[TreeNode], pages: np.ndarray) -> None:
+        """Copy the host KV of `path` into the device `pages`, ready for the next kernel."""
+
+    def protect(self, node: TreeNode) -> None:
+        """Pin the host copies of the path root..node against `evict` (counted)."""
+
+    def release(self, node: TreeNode) -> None:
+        """Release one `protect(node)`; `ValueError`, changing nothing, if it has none."""
+
+    def evict(self, num_tokens: int) -> int:
+        """Remove unpinned host-only leaves, LRU first, until `num_tokens` are freed."""
+        return 0
+
+    def snapshot(self) -> list[BlockStored]:
+        """`BlockStored(medium="host")` for every block with a complete host copy."""
+        return []
+
+    def pinned(self) -> bool:
+        """Whether some path is protected (by `protect` or a copy in flight)."""
+        return False
+
+    def clear(self, nodes: list[TreeNode]) -> None:
+        """The tree is reset: free the host pages of `nodes` (all of its nodes), forget them."""
+
+    def check(self, nodes: list[TreeNode]) -> None:
+        """Raise `AssertionError` naming the first violated host-tier invariant."""
+
+
+def new_host_tier(
+    tree: Tree,
+    allocator: KVAllocator | None,
+    write_policy: str,
+    copier: KVCopier | None,
+    ledger: BlockLedger,
+    moves_kv: bool,
+) -> HostTier:
+    """The tier for `allocator` (host pages; None: no host memory). `ledger` reports host
+    blocks; `moves_kv` is False for a cache with no KV behind it (nothing to copy)."""
+    if write_policy not in WRITE_POLICIES:
+        raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+    if allocator is None:
+        return HostTier(copier)
+    return HostMemoryTier(tree, allocator, write_policy, copier, ledger, moves_kv)
+
+
+class HostMemoryTier(HostTier):
+    """Host copies of the cache's nodes in the pages of `allocator`; see the module docstring."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        allocator: KVAllocator,
         write_policy: str,
         copier: KVCopier | None,
-        load_back_min: int,
+        ledger: BlockLedger,
+        moves_kv: bool,
     ) -> None:
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
-        if host_allocator is not None and host_allocator.page_size != self.page_size:
-            raise ValueError("host_allocator page_size must equal the cache's page_size")
-        self.host_allocator = host_allocator
+        self.tree = tree
+        self.allocator = allocator
+        self.page_size = allocator.page_size
         self.write_policy = write_policy
         self.copier = copier if copier is not None else NullCopier()
-        self.load_back_min = load_back_min
-        self._host_blocks = BlockLedger(self._events, HOST, self.block_size % self.page_size != 0)
-        self._writes: deque[tuple[object, TreeNode]] = deque()  # in issue order
-        self._reset_host()
+        self.moves_kv = moves_kv
+        self.writes: deque[tuple[object, TreeNode]] = deque()  # in issue order
+        self._blocks = ledger
+        self._size = 0
+        self._heap: list[tuple[int, int, TreeNode]] = []  # lazy, like the device's LRU heap
+        self._seq = 0
 
-    def _reset_host(self: RadixCache) -> None:
-        self._host_size = 0
-        self._host_heap: list[tuple[int, int, TreeNode]] = []
-        if self.host_allocator is not None:
-            self._host_blocks.clear()
+    def size(self) -> int:
+        return self._size
 
-    def host_size(self: RadixCache) -> int:
-        """Tokens with a host copy (complete or in flight)."""
-        return self._host_size
-
-    def _split_host(self: RadixCache, child: TreeNode, upper: TreeNode, length: int) -> None:
-        """Both halves of a split keep the host state: a backed-up node stays backed up (a
-        split parent without a host copy would get its leaf dropped instead of offloaded)."""
-        upper.evicted = child.evicted
+    def split(self, child: TreeNode, upper: TreeNode, length: int) -> None:
         upper.host_ready = child.host_ready
         upper.host_ref = child.host_ref
         upper.hits = child.hits
@@ -88,109 +177,38 @@ class HostTier:
 
     # --- protection -------------------------------------------------------------------------
 
-    def protect_host(self: RadixCache, node: TreeNode) -> None:
-        """Pin the host copies of the path root..node against `evict_host` (counted)."""
-        if node is self.root:
+    def protect(self, node: TreeNode) -> None:
+        root = self.tree.root
+        if node is root:
             return
         if node.parent is None:
             raise ValueError("protect_host(): the node was removed")
         node.host_here += 1
-        while node is not self.root:
+        while node is not root:
             node.host_ref += 1
             node = node.parent  # type: ignore[assignment]
 
-    def release_host(self: RadixCache, node: TreeNode) -> None:
-        """Release one `protect_host(node)`; `ValueError`, changing nothing, if it has none."""
-        if node is self.root:
+    def release(self, node: TreeNode) -> None:
+        root = self.tree.root
+        if node is root:
             return
         if node.host_here <= 0 or node.parent is None:
             raise ValueError("release_host(): the node is not protected")
         node.host_here -= 1
         leaf = node
-        while node is not self.root:
+        while node is not root:
             node.host_ref -= 1
             node = node.parent  # type: ignore[assignment]
-        self._maybe_host_candidate(leaf)
+        self.rerank(leaf)
+
+    def pinned(self) -> bool:
+        return any(n.host_ref for n in self.tree.root.children.values())
 
     # --- backup (device -> host) ------------------------------------------------------------
 
-    def _backup(self: RadixCache, node: TreeNode, wait: bool = False) -> bool:
-        """Start copying `node` and its ancestors that have no host copy to host, parents
-        first. False (nothing changed) if host memory cannot be found."""
-        path = []
-        while node is not self.root and node.host_value is None:
-            path.append(node)
-            node = node.parent  # type: ignore[assignment]
-        if not path:
-            return True
-        path.reverse()
-        deepest = path[-1]
-        need = sum(len(n) for n in path) // self.page_size
-        pages = self._host_alloc(need)
-        if pages is None:
-            return False
-        host_slots, device_slots, at = [], [], 0
-        for n in path:
-            count = len(n) // self.page_size
-            n.host_value = pages[at : at + count].copy()
-            at += count
-            host_slots.append(n.host_value)
-            if n.value is not None:
-                device_slots.append(n.value)
-        self._host_size += need * self.page_size
-        self.lock(deepest)  # the device pages are being read
-        self.protect_host(deepest)  # the host pages are being written
-        ticket = None  # a pure index has no KV to copy
-        if self.allocator is not None:
-            ticket = self.copier.to_host(self._slots(device_slots), self._slots(host_slots))
-        self._writes.append((ticket, deepest))
-        if wait:
-            self.copier.wait(ticket)
-        self._collect_writes()
-        return True
-
-    def _host_alloc(self: RadixCache, num_pages: int) -> np.ndarray | None:
-        assert self.host_allocator is not None
-        pages = self.host_allocator.alloc_pages(num_pages)
-        if pages is None:
-            self.evict_host(num_pages * self.page_size - self.host_allocator.available_size())
-            pages = self.host_allocator.alloc_pages(num_pages)
-        return pages
-
-    def _slots(self: RadixCache, pages: list[np.ndarray]) -> torch.Tensor:
-        return torch.from_numpy(pages_to_slots(np.concatenate(pages), self.page_size))
-
-    def _collect_writes(self: RadixCache) -> None:
-        """Finish the copies that completed, oldest first (they complete in issue order)."""
-        while self._writes and self.copier.done(self._writes[0][0]):
-            _, deepest = self._writes.popleft()
-            self._finish_write(deepest)
-
-    def _finish_write(self: RadixCache, deepest: TreeNode) -> None:
-        # The write covered `deepest` and the ancestors that were not yet backed up; a split
-        # since then may have cut them in two, so walk up to the first ready ancestor.
-        done = []
-        node = deepest
-        while node is not self.root and not node.host_ready:
-            done.append(node)
-            node = node.parent  # type: ignore[assignment]
-        for n in reversed(done):
-            n.host_ready = True
-            if n.hashes:
-                self._host_blocks.stored(n.hashes, self._last_hash(n.parent))
-        self.unlock(deepest)
-        self.release_host(deepest)
-
-    def flush(self: RadixCache) -> None:
-        """Wait for every copy in flight and finish its bookkeeping."""
-        while self._writes:
-            self.copier.wait(self._writes[0][0])
-            self._collect_writes()
-
-    def _backup_after_use(self: RadixCache, path: list[TreeNode], inserted: bool) -> None:
-        """Apply the write policy to the device nodes of a path just matched or inserted."""
-        if not path or self.host_allocator is None:
-            return
+    def after_use(self, path: list[TreeNode], inserted: bool) -> None:
+        for node in path:
+            node.hits += 1
         device = [n for n in path if not n.evicted]
         if not device:
             return
@@ -201,51 +219,103 @@ class HostTier:
             if hot:
                 self._backup(hot[-1])
 
-    # --- device eviction: demote or drop ----------------------------------------------------
-
-    def _is_device_leaf(self: RadixCache, node: TreeNode) -> bool:
-        """On device, unlocked, and no child on device: a device eviction candidate."""
-        if node.evicted or node.lock_ref or node.parent is None:
+    def _backup(self, node: TreeNode, wait: bool = False) -> bool:
+        """Start copying `node` and its ancestors that have no host copy to host, parents
+        first. False (nothing changed) if host memory cannot be found."""
+        root, path = self.tree.root, []
+        while node is not root and node.host_value is None:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        if not path:
+            return True
+        path.reverse()
+        deepest = path[-1]
+        pages = self._alloc(sum(len(n) for n in path) // self.page_size)
+        if pages is None:
             return False
-        return not any(not c.evicted for c in node.children.values())
+        at = 0
+        for n in path:
+            count = len(n) // self.page_size
+            n.host_value = pages[at : at + count].copy()
+            at += count
+        self._size += len(pages) * self.page_size
+        self.tree.lock(deepest)  # the device pages are being read
+        self.protect(deepest)  # the host pages are being written
+        ticket = None
+        if self.moves_kv:
+            device = self._slots([n.value for n in path])  # type: ignore[misc]
+            ticket = self.copier.to_host(device, self._slots([n.host_value for n in path]))
+        self.writes.append((ticket, deepest))
+        if wait:
+            self.copier.wait(ticket)
+        self.collect()
+        return True
 
-    def _evict_device_node(self: RadixCache, node: TreeNode, pages: list[np.ndarray]) -> None:
-        """Take `node` off the device: demote it to host if it is (or can now be) backed up,
-        else drop it from the tree."""
+    def _alloc(self, num_pages: int) -> np.ndarray | None:
+        pages = self.allocator.alloc_pages(num_pages)
+        if pages is None:
+            self.evict(num_pages * self.page_size - self.allocator.available_size())
+            pages = self.allocator.alloc_pages(num_pages)
+        return pages
+
+    def _slots(self, pages: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(pages_to_slots(np.concatenate(pages), self.page_size))
+
+    def collect(self) -> None:
+        while self.writes and self.copier.done(self.writes[0][0]):
+            _, deepest = self.writes.popleft()
+            self._finish_write(deepest)
+
+    def _finish_write(self, deepest: TreeNode) -> None:
+        # The write covered `deepest` and the ancestors that were not yet backed up; a split
+        # since then may have cut them in two, so walk up to the first ready ancestor.
+        root, done, node = self.tree.root, [], deepest
+        while node is not root and not node.host_ready:
+            done.append(node)
+            node = node.parent  # type: ignore[assignment]
+        for n in reversed(done):
+            n.host_ready = True
+            if n.hashes:
+                self._blocks.stored(n.hashes, last_block_hash(n.parent))  # type: ignore[arg-type]
+        self.tree.unlock(deepest)
+        self.release(deepest)
+
+    def flush(self) -> None:
+        while self.writes:
+            self.copier.wait(self.writes[0][0])
+            self.collect()
+
+    # --- device eviction and load back ------------------------------------------------------
+
+    def offload(self, node: TreeNode) -> bool:
         if node.host_value is None and self.write_policy == "write_back":
-            if self.host_allocator is not None and self._backup(node, wait=True):
+            if self._backup(node, wait=True):
                 self.flush()
         if node.host_value is None:
-            assert not node.children, "a node with host-only children must be backed up"
-            self._remove_leaf(node, pages)
-            return
+            return False
         assert node.host_ready and not node.lock_ref, "demoting a node with a copy in flight"
-        if node.value is not None:
-            pages.append(node.value)
-        node.value = None
-        node.evicted = True
-        self._evictable -= len(node)
-        if node.hashes:
-            self._device_blocks.removed(node.hashes)
-        self._maybe_host_candidate(node)
+        return True
+
+    def loaded(self, node: TreeNode) -> None:
+        node.host_heap_seq = -1  # no longer a host-eviction candidate
+
+    def copy_to_device(self, path: list[TreeNode], pages: np.ndarray) -> None:
+        host = self._slots([n.host_value for n in path])  # type: ignore[misc]
+        self.copier.wait(self.copier.to_device(host, self._slots([pages])))
 
     # --- host eviction ----------------------------------------------------------------------
 
-    def _maybe_host_candidate(self: RadixCache, node: TreeNode) -> None:
+    def rerank(self, node: TreeNode) -> None:
         if node.evicted and not node.children and not node.host_ref and node.parent is not None:
             self._seq += 1
             node.host_heap_seq = self._seq
-            heapq.heappush(self._host_heap, (node.last_access, self._seq, node))
+            heapq.heappush(self._heap, (node.last_access, self._seq, node))
 
-    def evict_host(self: RadixCache, num_tokens: int) -> int:
-        """Remove host-only leaves that nothing pins, least recently used first, until
-        `num_tokens` host tokens are freed or none is left; returns the tokens freed."""
-        if self.host_allocator is None:
-            return 0
-        self._collect_writes()
-        freed, pages = 0, []
-        while freed < num_tokens and self._host_heap:
-            _, seq, node = heapq.heappop(self._host_heap)
+    def evict(self, num_tokens: int) -> int:
+        self.collect()
+        root, freed, pages = self.tree.root, 0, []
+        while freed < num_tokens and self._heap:
+            _, seq, node = heapq.heappop(self._heap)
             if node.host_heap_seq != seq:
                 continue
             node.host_heap_seq = -1
@@ -254,19 +324,89 @@ class HostTier:
             parent = node.parent
             freed += len(node)
             pages.append(node.host_value)
-            self._drop_host_copy(node)
-            del parent.children[self._child_key(node)]
-            self._num_nodes -= 1
-            node.parent = None
-            if parent is not self.root:
-                self._maybe_host_candidate(parent)
+            self._drop_copy(node)
+            self.tree.detach(node)
+            if parent is not root:
+                self.rerank(parent)
         if pages:
-            self.host_allocator.free_pages(np.concatenate(pages))
+            self.allocator.free_pages(np.concatenate(pages))
         return freed
 
-    def _drop_host_copy(self: RadixCache, node: TreeNode) -> None:
-        self._host_size -= len(node)
+    def _drop_copy(self, node: TreeNode) -> None:
+        self._size -= len(node)
         if node.hashes and node.host_ready:
-            self._host_blocks.removed(node.hashes)
+            self._blocks.removed(node.hashes)
         node.host_value = None
         node.host_ready = False
+
+    # --- snapshot, reset, integrity ---------------------------------------------------------
+
+    def snapshot(self) -> list[BlockStored]:
+        return snapshot_stored(self.tree.root, HOST, lambda node: node.host_ready)
+
+    def clear(self, nodes: list[TreeNode]) -> None:
+        pages = [n.host_value for n in nodes if n.host_value is not None]
+        if pages:
+            self.allocator.free_pages(np.concatenate(pages))
+        self._size = 0
+        self._heap = []
+        self._blocks.clear()
+
+    def check(self, nodes: list[TreeNode]) -> None:
+        root = self.tree.root
+        assert root.host_ref == 0 and root.host_value is None, "root: must stay off the host tier"
+        for node in nodes:
+            self._check_node(node)
+        self._check_heap(nodes)
+        self._blocks.check(nodes, lambda n: n.host_ready)
+        values = [n.host_value for n in nodes if n.host_value is not None]
+        pages = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+        assert len(pages) * self.page_size == self._size, "host sizes: host_size drifted"
+        assert len(np.unique(pages)) == len(pages), "host slots: a host page owned by two nodes"
+        slots = pages_to_slots(pages, self.page_size)
+        assert not np.isin(slots, self.allocator.free_slot_ids()).any(), (
+            "host slots: a tree slot is free"
+        )
+
+    def _check_node(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        if parent is not self.tree.root:
+            assert not (parent.evicted and not node.evicted), (
+                "tiers: a node on device whose parent is not (device nodes must be prefix-closed)"
+            )
+            assert node.host_value is None or parent.host_value is not None, (
+                "tiers: a node on host without its parent on host"
+            )
+        if node.evicted:
+            assert node.host_value is not None and node.host_ready, (
+                "tiers: a node is neither on device nor completely on host"
+            )
+            assert node.lock_ref == 0, "tiers: a node off the device is locked"
+        assert node.host_ref >= 0 and node.host_here >= 0, "host refs: negative reference count"
+        below = sum(child.host_ref for child in node.children.values())
+        assert node.host_ref == node.host_here + below, (
+            "host refs: count != protections ending here + children's counts"
+        )
+        if node.host_value is None:
+            assert not node.host_ready, "tiers: host copy marked ready without host pages"
+            return
+        assert len(node.host_value) * self.page_size == len(node), (
+            "host values: page count != token count / page"
+        )
+        assert node.host_value.flags.owndata, "host values: must be a copy, never a view"
+        if not node.host_ready:
+            assert node.lock_ref > 0 and node.host_ref > 0, (
+                "in flight: a node being copied to host is not pinned on both tiers"
+            )
+
+    def _check_heap(self, nodes: list[TreeNode]) -> None:
+        live = {seq: (use, node) for use, seq, node in self._heap if node.host_heap_seq == seq}
+        for node in nodes:
+            if not node.evicted or node.children or node.host_ref:
+                continue
+            entry = live.get(node.host_heap_seq)
+            assert entry is not None and entry[1] is node, (
+                "host eviction: a host-only leaf is missing from the candidates"
+            )
+            assert entry[0] == node.last_access, "host eviction: candidate ranked by a stale use"

@@ -1,64 +1,54 @@
-"""`check_integrity()` of the radix cache: one full walk that re-derives every invariant.
+"""The device-side checks of `RadixCache.check_integrity()`: each re-derives an invariant from
+a full walk of the tree.
 
 Each check raises `AssertionError` whose message starts with the invariant's name, so a failing
-test names what broke. It walks the whole tree, so it is for tests and idle-time self-checks,
-never for the request path.
+test names what broke. They walk the whole tree, so they are for tests and idle-time
+self-checks, never for the request path. The host tier checks its own invariants
+(`radix_host`), each block ledger its holder counts (`block_ledger`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from mem_cache.allocator import pages_to_slots
+from mem_cache.allocator import KVAllocator, pages_to_slots
 from mem_cache.events import extend_block_states, hash_block_states
-from mem_cache.radix_host_integrity import check_host_tier
 from mem_cache.radix_node import TreeNode
 
-if TYPE_CHECKING:
-    from mem_cache.radix_cache import RadixCache
 
-
-def check_tree(cache: RadixCache) -> None:
-    """Raise `AssertionError` naming the first violated invariant of `cache`."""
-    root = cache.root
+def check_nodes(
+    root: TreeNode, num_nodes: int, page_size: int, block_size: int, needs_values: bool
+) -> list[TreeNode]:
+    """Every node but the root, parents first, after checking the root and each node's own
+    invariants (`needs_values`: every device node must hold slots)."""
     assert root.lock_ref == 0, "root: lock count must stay 0 (a miss must not count it)"
     assert root.parent is None and not root.key and not root.hashes, "root: must stay empty"
-    nodes = _walk_nodes(cache)
-    _check_sizes(cache, nodes)
-    _check_eviction_heap(cache, nodes)
-    _check_block_refs(cache, nodes)
-    if cache.allocator is not None:
-        _check_slots(cache, nodes)
-    if cache.host_allocator is not None:
-        check_host_tier(cache, nodes)
-
-
-def _walk_nodes(cache: RadixCache) -> list[TreeNode]:
-    """Every node but the root, parents first, after checking each node's own invariants."""
     nodes: list[TreeNode] = []
-    stack = [cache.root]
+    stack = [root]
     while stack:
         parent = stack.pop()
         for key, child in parent.children.items():
-            _check_node(cache, parent, key, child)
+            _check_node(parent, parent is root, key, child, page_size, needs_values)
+            _check_hashes(parent, child, block_size)
             nodes.append(child)
             stack.append(child)
-    assert len(nodes) == cache.num_nodes(), "structure: node count drifted"
+    assert len(nodes) == num_nodes, "structure: node count drifted"
     return nodes
 
 
-def _check_node(cache: RadixCache, parent: TreeNode, key: object, node: TreeNode) -> None:
-    page, length = cache.page_size, len(node)
+def _check_node(
+    parent: TreeNode, under_root: bool, key: object, node: TreeNode, page: int, needs_values: bool
+) -> None:
+    length = len(node)
     assert node.parent is parent, "structure: child's parent pointer is wrong"
     first = node.key[: page * 8]
-    expected_key = (node.namespace, first) if parent is cache.root else first
-    assert key == expected_key, "structure: child filed under the wrong first page"
+    assert key == ((node.namespace, first) if under_root else first), (
+        "structure: child filed under the wrong first page"
+    )
     assert length > 0 and length % page == 0, "page alignment: key length not whole pages"
     assert len(node.key) % 8 == 0, "page alignment: key is not int64 tokens"
     assert node.start == parent.end, "structure: node start != parent end"
-    if parent is not cache.root:
+    if not under_root:
         assert node.namespace == parent.namespace, "namespaces: a node shares another's path"
         assert parent.lock_ref >= node.lock_ref, "locks: parent count below a child's"
     assert node.lock_ref >= 0 and node.locks_here >= 0, "locks: negative lock count"
@@ -72,13 +62,11 @@ def _check_node(cache: RadixCache, parent: TreeNode, key: object, node: TreeNode
         assert len(node.value) * page == length, "values: page count != token count / page"
         assert node.value.dtype == np.int64, "values: page ids must be int64"
         assert node.value.flags.owndata, "values: a node's pages must be a copy, never a view"
-    elif cache.allocator is not None:
+    elif needs_values:
         raise AssertionError("values: a node without slots in a cache with an allocator")
-    _check_hashes(cache, parent, node)
 
 
-def _check_hashes(cache: RadixCache, parent: TreeNode, node: TreeNode) -> None:
-    bs = cache.block_size
+def _check_hashes(parent: TreeNode, node: TreeNode, bs: int) -> None:
     assert len(node.hashes) == node.end // bs - node.start // bs, (
         "events: node does not hold exactly the blocks that end inside it"
     )
@@ -90,21 +78,22 @@ def _check_hashes(cache: RadixCache, parent: TreeNode, node: TreeNode) -> None:
     assert state == node.hash_state, "events: hash state does not match the node's tokens"
 
 
-def _check_sizes(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    evictable = sum(len(n) for n in nodes if n.lock_ref == 0 and not n.evicted)
-    protected = sum(len(n) for n in nodes if n.lock_ref > 0 and not n.evicted)
-    ev, pr = cache.evictable_size(), cache.protected_size()
-    assert ev >= 0 and pr >= 0, "sizes: negative evictable or protected size"
-    assert ev == evictable, f"sizes: evictable_size {ev} != {evictable} in unlocked nodes"
-    assert pr == protected, f"sizes: protected_size {pr} != {protected} in locked nodes"
-    assert cache.total_size() == ev + pr, "sizes: total != evictable + protected"
+def check_sizes(nodes: list[TreeNode], evictable: int, protected: int, total: int) -> None:
+    """The cache's counters against the tokens of its unlocked and locked device nodes."""
+    unlocked = sum(len(n) for n in nodes if n.lock_ref == 0 and not n.evicted)
+    locked = sum(len(n) for n in nodes if n.lock_ref > 0 and not n.evicted)
+    assert evictable >= 0 and protected >= 0, "sizes: negative evictable or protected size"
+    assert evictable == unlocked, f"sizes: evictable_size {evictable} != {unlocked} unlocked"
+    assert protected == locked, f"sizes: protected_size {protected} != {locked} in locked nodes"
+    assert total == evictable + protected, "sizes: total != evictable + protected"
 
 
-def _check_eviction_heap(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    live = {seq: (access, node) for access, seq, node in cache._heap if node.heap_seq == seq}
-    assert all(node is not cache.root for _, node in live.values()), (
-        "eviction: the root is a candidate"
-    )
+def check_eviction_heap(
+    root: TreeNode, heap: list[tuple[int, int, TreeNode]], nodes: list[TreeNode]
+) -> None:
+    """Every unlocked device leaf has a live entry in `heap`, ranked by its last use."""
+    live = {seq: (access, node) for access, seq, node in heap if node.heap_seq == seq}
+    assert all(node is not root for _, node in live.values()), "eviction: the root is a candidate"
     for node in nodes:
         if node.evicted or node.lock_ref or any(not c.evicted for c in node.children.values()):
             continue
@@ -115,28 +104,12 @@ def _check_eviction_heap(cache: RadixCache, nodes: list[TreeNode]) -> None:
         assert entry[0] == node.last_access, "eviction: candidate ranked by a stale last use"
 
 
-def _check_block_refs(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    ledgers = [(cache._device_blocks.refs, lambda n: not n.evicted)]
-    if cache.host_allocator is not None:
-        ledgers.append((cache._host_blocks.refs, lambda n: n.host_ready))
-    for refs, holds in ledgers:
-        if refs is None:
-            continue
-        counts: dict[int, int] = {}
-        for node in nodes:
-            if holds(node):
-                for h in node.hashes:
-                    counts[h] = counts.get(h, 0) + 1
-        assert counts == refs, "events: block holder counts do not match the tree"
-
-
-def _check_slots(cache: RadixCache, nodes: list[TreeNode]) -> None:
-    allocator = cache.allocator
-    assert allocator is not None
+def check_slots(nodes: list[TreeNode], allocator: KVAllocator, total: int) -> None:
+    """The device slots of the tree: unique, in range, none free, `total` of them."""
     values = [n.value for n in nodes if n.value is not None and not n.evicted]
     pages = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
-    tree = pages_to_slots(pages, cache.page_size)
-    assert len(tree) == cache.total_size(), "slots: tree slot count != total_size"
+    tree = pages_to_slots(pages, allocator.page_size)
+    assert len(tree) == total, "slots: tree slot count != total_size"
     if len(tree):
         assert tree.min() >= 0 and tree.max() < allocator.size, "slots: out of range"
     assert len(np.unique(tree)) == len(tree), "slots: a slot is owned by two nodes"

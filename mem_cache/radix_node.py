@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mem_cache.events import extend_block_states
+
 TOKEN_BYTES = 8
 
 
@@ -70,11 +72,11 @@ class TreeNode:
         self.locks_here = 0  # of which end at this node (only these may be unlocked here)
         self.last_access = last_access
         self.heap_seq = -1  # sequence number of this node's live eviction-heap entry, -1 if none
-        # The host tier (see radix_host.py): a node is on device unless `evicted`, backed up on
-        # host when `host_value` (host page ids) is set, and that copy is complete once
-        # `host_ready`. `host_ref` counts host protections on paths through the node (in-flight
-        # copies, protect_host), `host_here` those that end at it.
-        self.evicted = False
+        self.evicted = False  # off the device (its KV then lives only on host)
+        # The host tier's fields (radix_host.py): backed up on host when `host_value` (host page
+        # ids) is set, and that copy is complete once `host_ready`. `host_ref` counts host
+        # protections on paths through the node (in-flight copies, protect_host), `host_here`
+        # those that end at it.
         self.host_value: np.ndarray | None = None
         self.host_ready = False
         self.host_ref = 0
@@ -93,6 +95,53 @@ class TreeNode:
     def tokens(self) -> np.ndarray:
         return np.frombuffer(self.key, dtype=np.int64)
 
+    def state_at(self, length: int, block_size: int) -> int:
+        """The running hash state after the first `length` tokens of this edge: from the last
+        block end before that point (or the edge's start), mixing fewer than a block of tokens."""
+        bs, start = block_size, self.start
+        end = start + length
+        last_block_end = end // bs * bs
+        if last_block_end > start:
+            base_pos = last_block_end
+            base = int(self.block_states[(last_block_end // bs) - start // bs - 1])
+            if base_pos == end:  # at a block end: nothing to mix
+                return base
+        else:
+            base_pos, base = start, self.parent.hash_state  # type: ignore[union-attr]
+        tokens = self.tokens()[base_pos - start : length]
+        return extend_block_states(tokens, base_pos, base, bs)[1]
+
+    def split(self, length: int, page_size: int, block_size: int) -> TreeNode:
+        """Cut this edge after `length` tokens (whole pages): a new upper node takes the first
+        part and this node's place under its parent (the caller files it in the parent's
+        children), this node keeps the rest and so still denotes the same path end. Both
+        halves keep the lock count, last use and residency; blocks go to the half they end in."""
+        assert 0 < length < len(self) and length % page_size == 0, "split off the pages"
+        cut, cut_pages = length * TOKEN_BYTES, length // page_size
+        num_blocks = (self.start + length) // block_size - self.start // block_size
+        upper = TreeNode(
+            self.parent,
+            self.key[:cut],
+            None if self.value is None else self.value[:cut_pages].copy(),
+            self.namespace,
+            self.start,
+            self.hashes[:num_blocks],
+            self.block_states[:num_blocks].copy(),
+            self.state_at(length, block_size),
+            self.last_access,
+        )
+        upper.lock_ref = self.lock_ref
+        upper.evicted = self.evicted
+        self.key = self.key[cut:]
+        if self.value is not None:
+            self.value = self.value[cut_pages:].copy()
+        self.start += length
+        self.hashes = self.hashes[num_blocks:]
+        self.block_states = self.block_states[num_blocks:].copy()
+        self.parent = upper
+        upper.children[self.key[: page_size * TOKEN_BYTES]] = self
+        return upper
+
     def __repr__(self) -> str:
         return f"TreeNode(start={self.start}, len={len(self)}, lock={self.lock_ref})"
 
@@ -100,6 +149,24 @@ class TreeNode:
 def make_root() -> TreeNode:
     """The root: an empty edge, never counted, locked or evicted."""
     return TreeNode(None, b"", None, None, 0, [], np.zeros(0, dtype=np.uint64), 0, 0)
+
+
+def last_block_hash(node: TreeNode) -> int | None:
+    """Hash of the last full block on the path root..node (None if there is none)."""
+    while not node.hashes and node.parent is not None:
+        node = node.parent
+    return node.hashes[-1] if node.hashes else None
+
+
+def path_below(top: TreeNode, node: TreeNode) -> list[TreeNode]:
+    """The nodes under `top` down to `node`, parents first (all of root..node, root excluded,
+    when `top` is not above `node`)."""
+    path = []
+    while node is not top and node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
 
 
 def common_prefix_tokens(key: bytes, query: bytes, offset: int) -> int:

@@ -4,9 +4,10 @@ metrics.
 `backends` are the workers known at start (e.g. `RayBackend(worker_id, actor_handle)`); they
 join when the app starts (lifespan, or the first request when the host runs no lifespan, as
 in some Ray Serve set-ups). Workers can come and go later through `app.state.router.workers`
-(`attach(backend)`, `detach(worker_id)`, `set_draining(worker_id, flag)`, `in_flight(id)`,
-all called on the app's event loop) or the admin endpoints. `control` (see
-`router.service.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
+(`WorkerSync`: `attach(backend)`, `detach(worker_id)`, `mark_dead(worker_id)`, called on the
+app's event loop; their records, with state and in-flight counts, are
+`app.state.router.registry`'s) or the admin endpoints. `control` (see
+`router.admin.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
 endpoints start and stop workers; without it, adding answers 501. `tokenizer` defaults to the
 HF tokenizer of `config.tokenizer or config.model`.
 
@@ -30,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.admin import WorkerControl
 from router.backends import Backend
 from router.config import RouterConfig
 from router.core import RoutingCore
@@ -37,7 +39,7 @@ from router.errors import APIError, bad_request, body_too_large, invalid_api_key
 from router.generation import ChoiceRun, Job, account, merged, open_choices
 from router.openai_types import ChatRequest, CompletionRequest, parse_body
 from router.render import SSE_DONE, Renderer, sse
-from router.service import Router, WorkerControl
+from router.service import Router
 from router.tokenizer import Tokenizer
 
 WORKER_HEADER = "X-Radixray-Worker"
@@ -174,7 +176,7 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
 def _add_openai_routes(app: FastAPI, router: Router) -> None:
     async def completions(request: Request) -> Response:
         await router.start()
-        body, job = await _job(request, CompletionRequest, router.completion_job, router)
+        body, job = await _job(request, CompletionRequest, router.jobs.completion_job, router)
         renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
         return await _serve(
             router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
@@ -182,7 +184,7 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
 
     async def chat(request: Request) -> Response:
         await router.start()
-        body, job = await _job(request, ChatRequest, router.chat_job, router)
+        body, job = await _job(request, ChatRequest, router.jobs.chat_job, router)
         top = (body.top_logprobs or 0) if body.logprobs else None
         renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
         return await _serve(
@@ -201,14 +203,14 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
             "object": "model",
             "created": 0,
             "owned_by": "radixray",
-            "max_model_len": router.context_limit(),
+            "max_model_len": router.jobs.context_limit(),
         }
         return _json({"object": "list", "data": [card]})
 
     @app.get("/health")
     async def health() -> Response:
         await router.start()
-        ready = [w for w in router.workers.backends if w not in router.workers.draining]
+        ready = router.registry.routable()
         status = 200 if ready else 503
         return _json({"status": "ok" if ready else "no_workers", "workers": len(ready)}, status)
 
@@ -272,7 +274,7 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
     @app.get("/v1/workers")
     async def workers() -> Response:
         await router.start()
-        return _json({"object": "list", "data": router.workers_json()})
+        return _json({"object": "list", "data": router.admin.workers_json()})
 
     async def add(request: Request) -> Response:
         raw = await _read_body(request, router.config.max_body_bytes)
@@ -285,14 +287,14 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
             count = data.get("count", 1) if isinstance(data, dict) else None
             if not isinstance(count, int) or not 1 <= count <= 64:
                 raise bad_request("count must be an integer in [1, 64]", param="count")
-        added = await router.add_workers(count)
-        return _json({"added": added, "data": router.workers_json()})
+        added = await router.admin.add_workers(count)
+        return _json({"added": added, "data": router.admin.workers_json()})
 
     async def drain(worker_id: str) -> Response:
-        return _json(await router.drain(worker_id))
+        return _json(await router.admin.drain(worker_id))
 
     async def remove(worker_id: str) -> Response:
-        return _json(await router.remove(worker_id))
+        return _json(await router.admin.remove(worker_id))
 
     for prefix in ("/v1/admin/workers", "/v1/workers"):
         app.add_api_route(prefix, add, methods=["POST"])

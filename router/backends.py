@@ -34,8 +34,9 @@ class Backend(ABC):
 
     @abstractmethod
     async def ready(self) -> dict[str, Any]:
-        """Waits until the worker serves; returns at least `model`, `block_size`, `page_size`,
-        `max_context` (0 when unknown)."""
+        """Waits until the worker serves; returns at least `model`, and the engine's shape as
+        far as the worker knows it (the keys of `worker.protocol.EngineShape`; the router takes
+        the documented defaults for the others)."""
 
     @abstractmethod
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
@@ -142,8 +143,10 @@ class HttpBackend(Backend):
 
     Requests go to `/v1/completions` with the prompt as token ids and `return_token_ids`
     (vLLM >= 0.10.2 and radixray send the output ids back). A server that only returns text has
-    its text re-tokenized with `encode`. Such servers publish no KV events, so the router's index
-    for them holds only its own routing history. Top logprobs are not carried over.
+    its text re-tokenized with `encode` (the router's tokenizer, given by whoever builds the
+    backend; without it such text is dropped). Such servers publish no KV events, so the
+    router's index for them holds only its own routing history. Top logprobs are not carried
+    over.
     """
 
     def __init__(
@@ -187,12 +190,8 @@ class HttpBackend(Backend):
             raise BackendDead(f"{self.worker_id}: /v1/models answered {status}")
         card = body["data"][0]
         self.model = self.model or card["id"]
-        return {
-            "model": self.model,
-            "block_size": 16,
-            "page_size": 1,
-            "max_context": int(card.get("max_model_len") or 0),
-        }
+        # an OpenAI server tells its context length only; the rest of its shape is unknown
+        return {"model": self.model, "max_context": int(card.get("max_model_len") or 0)}
 
     def _body(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
-from router.cost_config import CostConfig
+from router.cost_terms import TERMS, CostTerms
+from router.estimate import EstimateConfig
 
 
 @dataclass
@@ -29,7 +31,7 @@ class RouterConfig:
     event_poll_s / stats_poll_s: how often KV events / worker stats are pulled.
     revive_s: how often a worker marked dead is probed to see whether it came back.
     session_ttl_s: idle lifetime of a session's KV on its worker.
-    cost_config: overrides of the `cost` policy's `CostConfig` (field name -> value).
+    cost_config: overrides of the core's estimate and the `cost` terms (`cost_config`).
     """
 
     model: str = "tiny"
@@ -50,17 +52,37 @@ class RouterConfig:
     cost_config: dict = field(default_factory=dict)
 
 
-def cost_config(base: CostConfig | None = None, overrides: dict | None = None) -> CostConfig:
-    """`base` (default: the defaults) with `overrides` (field name -> value, e.g. parsed from
-    `--cost-config '{"idle_while_decoding": true}'`); unknown names raise ValueError."""
-    base = base or CostConfig()
-    overrides = overrides or {}
-    names = {f.name for f in fields(CostConfig)}
-    unknown = sorted(set(overrides) - names)
+def cost_config(
+    overrides: dict | None = None,
+    estimate: EstimateConfig | None = None,
+    terms: CostTerms | None = None,
+) -> tuple[EstimateConfig, CostTerms]:
+    """The core's estimate config and the `cost` terms, `estimate` and `terms` (default: the
+    defaults) with `overrides` applied: a JSON object as `--cost-config` gives it, e.g.
+    `{"compute": {"idle_while_decoding": true}, "guard": null, "estimate": {"step_noise": 0.1},
+    "tail_ttft_s": 3}`. A term set to null is off. Unknown names or values of the wrong type
+    raise ValueError."""
+    overrides = dict(overrides or {})
+    estimate = _replaced(estimate or EstimateConfig(), overrides.pop("estimate", {}), "estimate")
+    return estimate, _replaced(terms or CostTerms(), overrides, "cost")
+
+
+def _replaced(base: Any, overrides: Any, where: str) -> Any:
+    """`base` (a dataclass) with `overrides` (field name -> value, nested for nested ones)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"cost config {where!r} must be an object, got {overrides!r}")
+    names = {f.name: f for f in fields(base)}
+    unknown = sorted(set(overrides) - set(names))
     if unknown:
-        raise ValueError(f"unknown cost config keys {unknown}; known: {sorted(names)}")
+        raise ValueError(f"unknown cost config keys {unknown} in {where!r}; known: {sorted(names)}")
+    values = {}
     for name, value in overrides.items():
-        kind = type(getattr(base, name))  # bool, int or float; an int does for a float
+        current = getattr(base, name)
+        if name in TERMS:
+            default = type(getattr(CostTerms(), name))
+            values[name] = None if value is None else _replaced(current or default(), value, name)
+            continue
+        kind = type(current)  # bool, int or float; an int does for a float
         if kind is bool:
             ok = isinstance(value, bool)
         else:
@@ -68,5 +90,6 @@ def cost_config(base: CostConfig | None = None, overrides: dict | None = None) -
             ok = ok and not isinstance(value, bool)
         if not ok:
             wanted = {bool: "true or false", int: "an integer", float: "a number"}[kind]
-            raise ValueError(f"cost config {name!r} must be {wanted}, got {value!r}")
-    return replace(base, **overrides)
+            raise ValueError(f"cost config {where}.{name} must be {wanted}, got {value!r}")
+        values[name] = value
+    return replace(base, **values)

@@ -1,7 +1,9 @@
-"""RoutingCore: the prefix index, a policy, the session pins and the booked load, in one object.
+"""RoutingCore: the prefix index, the estimate, a policy, the session pins and the booked load.
 
 The live router (`router/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
-they route identically. The clock is injected: the simulator passes its simulated time.
+they route identically. The clock is injected: the simulator passes its simulated time. The
+workers are the registry's (`router.registry`); the core follows its membership as a listener
+and reads each worker's record (state, shape, stats, event cursor) when it routes.
 
 The life of one request:
     route(request_id, hashes, ...) -> Decision    books its load on the chosen worker, records
@@ -20,30 +22,26 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from mem_cache.events import decode_batch
+from mem_cache.events import AllCleared, decode_batch
 from router.affinity import AffinityRates
+from router.estimate import EstimateConfig, Estimator
 from router.load import Booking, LoadLedger
-from router.policies import (
-    DEFAULT_POLICY,
-    Decision,
-    Policy,
-    PolicyConfig,
-    RouteRequest,
-    WorkerView,
-    make_policy,
-)
+from router.policies import DEFAULT_POLICY, Policy, PolicyConfig, make_policy
 from router.prefix_index import IndexConfig, PrefixIndex
+from router.registry import DEAD, WorkerRegistry, WorkerState
 from router.sessions import SessionConfig, SessionTable
-from worker.protocol import WorkerStats
+from router.views import Decision, RouteRequest, WorkerView
+from worker.protocol import EngineShape, WorkerStats
 
 
 @dataclass
 class CoreConfig:
-    """Routing configuration; `block_size` must match the workers' (16 by default)."""
+    """Routing configuration; `block_size`: the block size until a worker reports its own."""
 
     policy: str = DEFAULT_POLICY
     block_size: int = 16
     index: IndexConfig = field(default_factory=IndexConfig)
+    estimate: EstimateConfig = field(default_factory=EstimateConfig)
     policies: PolicyConfig = field(default_factory=PolicyConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
 
@@ -61,9 +59,11 @@ class RoutingCore:
         clock: Callable[[], float] = time.monotonic,
         block_size: int | None = None,
         config: CoreConfig | None = None,
+        registry: WorkerRegistry | None = None,
     ) -> None:
         """`policy`: a Policy object, a policy name, or None for `config.policy`; `block_size`
-        overrides `config.block_size`; `clock` (seconds) drives TTLs and booked load."""
+        overrides `config.block_size`; `clock` (seconds) drives TTLs and booked load;
+        `registry`: the workers (default: a new one), whose membership the core follows."""
         self.config = config or CoreConfig()
         if block_size is not None:
             self.config = replace(self.config, block_size=block_size)
@@ -71,60 +71,60 @@ class RoutingCore:
             policy = make_policy(policy or self.config.policy, self.config.policies)
         self.clock = clock
         self.policy = policy
-        self.cost_model = policy.cost_model
+        self.estimator = Estimator(self.config.estimate)
         self.index = PrefixIndex(self.config.index, clock)
         self.sessions = SessionTable(self.config.sessions, clock)
         self.ledger = LoadLedger()
-        self.affinity = AffinityRates(self.cost_model.config.affinity_window_s)
-        self._views: dict[str, WorkerView] = {}  # in order of joining
+        self.affinity = AffinityRates(self.config.estimate.affinity_window_s)
+        self.registry = registry or WorkerRegistry(EngineShape(block_size=self.config.block_size))
+        self.registry.subscribe(self)
 
     # --- workers ---------------------------------------------------------------------------
 
-    def add_worker(self, worker_id: str, stats: WorkerStats | None = None) -> None:
-        """Register a worker (idempotent). Its index fills from a snapshot batch: fetch one
-        from the worker and pass it to `apply_events` (`event_cursor` is None until then)."""
-        if worker_id not in self._views:
-            self._views[worker_id] = WorkerView(worker_id)
-            self.index.add_worker(worker_id)
+    def add_worker(
+        self, worker_id: str, stats: WorkerStats | None = None, shape: EngineShape | None = None
+    ) -> WorkerState:
+        """Register a worker in the registry (`WorkerRegistry.add`: a fresh record) with its
+        first stats. Its index fills from a snapshot batch: fetch one from the worker and pass
+        it to `apply_events` (`event_cursor` is None until then)."""
+        worker = self.registry.add(worker_id, shape)
         if stats is not None:
             self.update_stats(stats)  # which re-derives the fleet's speeds
+        return worker
 
-    def remove_worker(self, worker_id: str) -> list[str]:
-        """Forget a worker: its index entries, bookings and session pins. Returns the ids of the
-        requests that were booked on it (to fail over). Unknown ids return []."""
-        if self._views.pop(worker_id, None) is None:
-            return []
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a worker for good (`WorkerRegistry.remove`); unknown ids are ignored."""
+        self.registry.remove(worker_id)
+
+    def worker_joined(self, worker: WorkerState) -> None:
+        """(Registry listener.) A new record: an empty index entry for it."""
+        self.index.add_worker(worker.worker_id)
+
+    def worker_left(self, worker_id: str) -> None:
+        """(Registry listener.) The worker left routing (removed or dead): forget its index
+        entries, bookings, session pins and rates."""
         self._observe_fleet()
         self.index.remove_worker(worker_id)
         self.sessions.drop_worker(worker_id)
         self.affinity.drop(worker_id)
-        return [b.request_id for b in self.ledger.drop_worker(worker_id)]
-
-    def set_draining(self, worker_id: str, draining: bool = True) -> None:
-        """A draining worker gets no new requests (sessions pinned to it move); unknown: no-op."""
-        view = self._views.get(worker_id)
-        if view is not None:
-            view.draining = draining
+        self.ledger.drop_worker(worker_id)
 
     def update_stats(self, stats: WorkerStats) -> None:
-        """Latest stats of a registered worker; stats of unknown workers are ignored."""
-        view = self._views.get(stats.worker_id)
-        if view is not None:
-            view.stats = stats
+        """Latest stats of a live worker; stats of unknown or dead workers are ignored."""
+        worker = self.registry.get(stats.worker_id)
+        if worker is not None and worker.state != DEAD:
+            worker.stats = stats
             booked = self.ledger.load(stats.worker_id, self.clock()).requests
-            view.foreign_requests = max(0, stats.running + stats.waiting - booked)
+            worker.foreign_requests = max(0, stats.running + stats.waiting - booked)
             self._observe_fleet()
 
     def _observe_fleet(self) -> None:
-        self.cost_model.observe_fleet(view.stats for view in self._views.values())
+        self.estimator.observe_fleet(w.stats for w in self.registry.live())
 
     def workers(self) -> list[WorkerView]:
-        """A copy of every worker's view with its current booked load (match fields zero)."""
+        """Every live worker's view with its current booked load (match fields zero)."""
         now = self.clock()
-        return [
-            replace(self._fill_load(v, now), matched_blocks=0, host_blocks=0)
-            for v in self._views.values()
-        ]
+        return [self._view(w, now) for w in self.registry.live()]
 
     # --- events ----------------------------------------------------------------------------
 
@@ -135,11 +135,22 @@ class RoutingCore:
         nothing is applied; the caller fetches a snapshot (`kv_events` from `event_cursor`) and
         passes it here. Raises `ValueError` on malformed bytes.
         """
-        return self.index.apply_batch(decode_batch(batch))
+        batch_ = decode_batch(batch)
+        worker = self.registry.get(batch_.worker_id)
+        if worker is None or worker.state == DEAD:
+            return True  # a worker not (or no longer) routed to: nothing to apply
+        step = next_batch(worker.cursor, batch_.epoch, batch_.seq, is_snapshot(batch_.events))
+        if step == GAP:
+            return False
+        if step == APPLY:
+            self.index.apply(batch_.worker_id, batch_.events)
+            worker.cursor = (batch_.epoch, batch_.seq)
+        return True
 
     def event_cursor(self, worker_id: str) -> tuple[int, int] | None:
         """(epoch, seq) of the worker's last applied batch; None until a snapshot arrived."""
-        return self.index.cursor(worker_id)
+        worker = self.registry.get(worker_id)
+        return None if worker is None else worker.cursor
 
     # --- requests --------------------------------------------------------------------------
 
@@ -159,32 +170,16 @@ class RoutingCore:
         """
         now = self.clock()
         self.ledger.release(request_id, now)
-        request, decision, holders = self._decide(
+        request, decision, view, holders = self._decide(
             request_id, hashes, num_tokens, expected_output, session_id, exclude, now
         )
         self.affinity.add(holders, now)
         self.affinity.add_demand(decision.worker_id, num_tokens, now)
-        view = self._views[decision.worker_id]
         self.ledger.book(self._booking(request, view, decision, hashes), now)
         self.index.record_route(decision.worker_id, hashes)
         if session_id is not None:
             self.sessions.pin(session_id, decision.worker_id)
         return decision
-
-    def decide(
-        self,
-        request_id: str,
-        hashes: Sequence[int],
-        num_tokens: int,
-        expected_output: int,
-        session_id: str | None = None,
-        exclude: Collection[str] = (),
-    ) -> Decision:
-        """What `route` would choose, with no booking, no index entry and no pin (a dry run)."""
-        now = self.clock()
-        return self._decide(
-            request_id, hashes, num_tokens, expected_output, session_id, exclude, now
-        )[1]
 
     def finish(self, request_id: str, cached_tokens: int | None = None) -> Booking | None:
         """Release a request's booking (done, aborted or failed); unknown ids return None.
@@ -224,34 +219,47 @@ class RoutingCore:
         session_id: str | None,
         exclude: Collection[str],
         now: float,
-    ) -> tuple[RouteRequest, Decision, list[str]]:
-        """Match, fill the candidates' views, run the policy, then follow the session pin.
-        Also returns the candidates holding the request's longest cached prefix."""
+    ) -> tuple[RouteRequest, Decision, WorkerView, list[str]]:
+        """Match, build the candidates' views with the estimate of the request on each (once per
+        request: every policy, the booking and the pin read these), run the policy, then follow
+        the session pin.
+        Also returns the chosen view and the candidates holding the request's longest cached
+        prefix."""
         self.index.expire()
-        candidates = [
-            v for v in self._views.values() if not v.draining and v.worker_id not in exclude
-        ]
-        if not candidates:
+        workers = [w for w in self.registry.routable() if w.worker_id not in exclude]
+        if not workers:
             raise NoWorkerError("no worker available")
         match = self.index.match(hashes)
-        for view in candidates:
-            view.matched_blocks = match.device.get(view.worker_id, 0)
-            view.host_blocks = match.host.get(view.worker_id, 0)
-            self._fill_load(view, now)
         request = RouteRequest(
-            request_id, num_tokens, len(hashes), expected_output, self.config.block_size, session_id
+            request_id, num_tokens, len(hashes), expected_output, self.registry.block_size,
+            session_id, self.estimator.fleet.prefill_tokens_per_s,
         )
+        candidates = []
+        for worker in workers:
+            view = self._view(worker, now)
+            view.matched_blocks = match.device.get(worker.worker_id, 0)
+            view.host_blocks = match.host.get(worker.worker_id, 0)
+            view.estimate = self.estimator.estimate(request, view)
+            candidates.append(view)
         decision = self.policy.choose(request, candidates)
         if session_id is not None:
             decision = self._follow_pin(request, session_id, decision, candidates)
-        view = self._views[decision.worker_id]
-        decision.cached_tokens, decision.host_tokens = self.cost_model.cached_tokens(request, view)
+        view = next(v for v in candidates if v.worker_id == decision.worker_id)
+        decision.cached_tokens, decision.host_tokens = self.estimator.cached_tokens(request, view)
         top = max(v.matched_blocks for v in candidates)
         holders = [v.worker_id for v in candidates if v.matched_blocks == top] if top else []
-        return request, decision, holders
+        return request, decision, view, holders
 
-    def _fill_load(self, view: WorkerView, now: float) -> WorkerView:
-        load = self.ledger.load(view.worker_id, now)
+    def _view(self, worker: WorkerState, now: float) -> WorkerView:
+        """The worker as a policy sees it now (no prefix match yet)."""
+        view = WorkerView(
+            worker.worker_id,
+            worker.stats,
+            foreign_requests=worker.foreign_requests,
+            max_running=worker.shape.max_running,
+            prefill_budget=worker.shape.prefill_budget,
+        )
+        load = self.ledger.load(worker.worker_id, now)
         view.requests = load.requests
         view.prefill_tokens = load.prefill_tokens
         view.decode_tokens = load.decode_tokens
@@ -279,11 +287,8 @@ class RoutingCore:
         if pinned is None:
             return decision
         if pinned_id != decision.worker_id:
-            best = self._views[decision.worker_id]
-            model = self.cost_model
-            if self.sessions.should_yield(
-                model.ttft_s(request, pinned), model.ttft_s(request, best)
-            ):
+            best = next(v for v in candidates if v.worker_id == decision.worker_id)
+            if self.sessions.should_yield(pinned.estimate.ttft_s, best.estimate.ttft_s):
                 return decision
         return Decision(pinned_id, "session")
 
@@ -296,8 +301,31 @@ class RoutingCore:
             prefill_tokens=request.num_tokens - decision.cached_tokens - decision.host_tokens,
             decode_tokens=request.expected_output,
             active_tokens=request.num_tokens + request.expected_output,
-            prefill_s=self.cost_model.prefill_s(request, view),
+            prefill_s=view.estimate.prefill_s,
             prefill_done_at=0.0,
             hashes=hashes,
             cached_tokens=decision.cached_tokens,
         )
+
+
+SKIP, APPLY, GAP = "skip", "apply", "gap"
+
+
+def next_batch(cursor: tuple[int, int] | None, epoch: int, seq: int, snapshot: bool) -> str:
+    """What to do with a worker's event batch `(epoch, seq)` after `cursor` (the last applied).
+
+    A snapshot (a batch starting with `AllCleared`) applies whatever the cursor, unless it is
+    older than the cursor in the same epoch. Otherwise the batch must be the next `seq` of the
+    current epoch: an old duplicate is skipped; a gap, a new epoch or no cursor yet is a GAP
+    (nothing applied; the caller fetches a snapshot).
+    """
+    same_epoch = cursor is not None and cursor[0] == epoch
+    if snapshot:
+        return SKIP if same_epoch and seq < cursor[1] else APPLY
+    if not same_epoch or seq > cursor[1] + 1:
+        return GAP
+    return SKIP if seq <= cursor[1] else APPLY
+
+
+def is_snapshot(events: Sequence[object]) -> bool:
+    return bool(events) and isinstance(events[0], AllCleared)

@@ -7,7 +7,8 @@ sends the request to another worker with `resume_ids` = the tokens streamed so f
 prefills prompt + those tokens and continues, so the client's stream goes on. At most
 `max_failovers` moves per request. A worker found dead is purged from routing at once.
 
-Load booked by `core.route` is released by exactly one `core.finish` per routed attempt.
+Load booked by `core.route` is released by exactly one `core.finish` per routed attempt, and
+each attempt is counted on its worker's record by one `begin` and one `end`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
 
 from mem_cache.events import block_hashes
 from router.backends import Backend, BackendDead, BackendRequestError
+from router.core import RoutingCore
 from router.errors import APIError, no_workers
 from router.metrics import RouterMetrics
-from router.workers import WorkerRegistry
+from router.registry import WorkerRegistry, WorkerState
+from router.workers import WorkerSync
 from worker.protocol import GenerateRequest, TokenChunk
 
 
@@ -30,13 +32,14 @@ class Dispatcher:
 
     def __init__(
         self,
-        core: Any,
-        workers: WorkerRegistry,
+        core: RoutingCore,
+        workers: WorkerSync,
         metrics: RouterMetrics,
         max_failovers: int = 2,
         namespace: str | None = None,
     ) -> None:
         self.core = core
+        self.registry: WorkerRegistry = core.registry
         self.workers = workers
         self.metrics = metrics
         self.max_failovers = max_failovers
@@ -56,7 +59,9 @@ class Dispatch:
     """One request in flight. Iterate it for chunks; `close()` it in every case."""
 
     def __init__(self, dispatcher: Dispatcher, request: GenerateRequest, expected: int) -> None:
-        self.d = dispatcher
+        self.core = dispatcher.core
+        self.registry = dispatcher.registry
+        self.dispatcher = dispatcher
         self.request = request
         self.expected = expected
         self.tokens: list[int] = []  # output ids passed on so far (the resume point)
@@ -68,6 +73,7 @@ class Dispatch:
         self.predicted_tokens = 0
         self.finished = False
         self._backend: Backend | None = None
+        self._worker: WorkerState | None = None  # the record `begin` counted this attempt on
         self._stream: AsyncIterator[TokenChunk] | None = None
         self._first: TokenChunk | None = None
         self._routed = False
@@ -80,10 +86,12 @@ class Dispatch:
 
     def _route(self) -> Backend:
         hashes = block_hashes(
-            self.request.input_ids + self.tokens, self.d.namespace, self.d.workers.block_size
+            self.request.input_ids + self.tokens,
+            self.dispatcher.namespace,
+            self.registry.block_size,
         )
         try:
-            decision = self.d.core.route(
+            decision = self.core.route(
                 self.request.request_id,
                 hashes,
                 len(self.request.input_ids) + len(self.tokens),
@@ -93,22 +101,22 @@ class Dispatch:
             )
         except (LookupError, ValueError, RuntimeError) as exc:
             raise no_workers() from exc
-        backend = self.d.workers.backends.get(decision.worker_id)
-        if backend is None:  # the core knew a worker the registry just dropped
-            self.d.core.finish(self.request.request_id, None)
+        worker = self.registry.get(decision.worker_id)
+        if worker is None or worker.backend is None:  # a worker with nothing to send to
+            self.core.finish(self.request.request_id, None)
             self.failed.add(decision.worker_id)
             raise BackendDead(decision.worker_id)
         self._routed = True
         self.worker_id = decision.worker_id
-        self.predicted_tokens = int(getattr(decision, "cached_tokens", 0) or 0)
-        self.d.metrics.routed.labels(decision.worker_id, decision.reason).inc()
-        self.d.workers.inflight[self.worker_id] += 1
-        return backend
+        self.predicted_tokens = decision.cached_tokens
+        self.dispatcher.metrics.routed.labels(decision.worker_id, decision.reason).inc()
+        self._worker = self.registry.begin(self.worker_id)
+        return worker.backend
 
     async def _attempt(self) -> TokenChunk:
         """Route, send, and return the first chunk; fail over while workers die."""
         while True:
-            if not self.d.workers.backends:
+            if not self.registry.live():
                 raise no_workers()
             try:
                 self._backend = self._route()
@@ -117,7 +125,7 @@ class Dispatch:
                 chunk = await self._stream.__anext__()
                 if chunk.error and not chunk.token_ids:
                     raise BackendRequestError(chunk.error)
-                self.d.core.first_token(self.request.request_id)
+                self.core.first_token(self.request.request_id)
                 return chunk
             except (BackendDead, StopAsyncIteration) as exc:
                 self._fail(exc)
@@ -131,21 +139,23 @@ class Dispatch:
         self._release()
         if wid:
             self.failed.add(wid)
-            self.d.workers.mark_dead(wid)
+            self.dispatcher.workers.mark_dead(wid)
             self.worker_id = ""
         self.failovers += 1
-        self.d.metrics.failovers.inc()
-        if self.failovers > self.d.max_failovers:
+        self.dispatcher.metrics.failovers.inc()
+        if self.failovers > self.dispatcher.max_failovers:
             raise APIError(
                 503, f"workers failed {self.failovers} times: {exc}", code="worker_failed"
             ) from exc
 
-    def _release(self) -> None:
+    def _release(self, cached_tokens: int | None = None) -> None:
+        """Ends the current attempt: its booking in the core, its count on its worker."""
         if self._routed:
             self._routed = False
-            self.d.core.finish(self.request.request_id, None)
-            if self.worker_id:
-                self.d.workers.inflight[self.worker_id] -= 1
+            self.core.finish(self.request.request_id, cached_tokens)
+            if self._worker is not None:
+                self.registry.end(self._worker)
+                self._worker = None
 
     async def __aiter__(self) -> AsyncIterator[TokenChunk]:
         chunk = self._first
@@ -179,10 +189,7 @@ class Dispatch:
 
     def _finish(self) -> None:
         self.finished = True
-        if self._routed:
-            self._routed = False
-            self.d.core.finish(self.request.request_id, self.cached_tokens)
-            self.d.workers.inflight[self.worker_id] -= 1
+        self._release(self.cached_tokens)
 
     async def close(self) -> None:
         """Ends the request: aborts it on the worker if it is still running there."""

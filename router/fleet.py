@@ -1,4 +1,4 @@
-"""What the cost model takes from the fleet's reports as a whole (`CostModel.observe_fleet`).
+"""What the estimate takes from the fleet's reports as a whole (`Estimator.observe_fleet`).
 
 Workers of one deployment run the same model on the same hardware, so their reports are
 samples of one machine's speeds:
@@ -7,7 +7,7 @@ samples of one machine's speeds:
   slower than its measured twins, and `cost` would pile every new prefix onto one of them.
 - The fit of the decode step on the decode context (the running requests' KV, which every
   step reads): a worker's step at the context booked on it now, fresh, where its own measured
-  step is a report interval late (`CostConfig.step_from_context`).
+  step is a report interval late (`EstimateConfig.step_from_context`).
 """
 
 from __future__ import annotations

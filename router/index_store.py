@@ -22,14 +22,13 @@ TIERS = (DEVICE, HOST)
 class WorkerEntries:
     """One worker's entries: per tier hash -> last-use tick (LRU first), and unconfirmed ones."""
 
-    __slots__ = ("worker_id", "bit", "tiers", "pending", "cursor")
+    __slots__ = ("worker_id", "bit", "tiers", "pending")
 
     def __init__(self, worker_id: str, bit: int) -> None:
         self.worker_id = worker_id
         self.bit = bit  # its bit in the masks
         self.tiers: dict[str, OrderedDict[int, int]] = {t: OrderedDict() for t in TIERS}
         self.pending: dict[int, float] = {}  # unconfirmed device hash -> deadline, deadline order
-        self.cursor: tuple[int, int] | None = None  # (epoch, seq) of the last applied batch
 
 
 class EntryStore:

@@ -70,8 +70,11 @@ class RouterMetrics:
             "radixray_failovers", "requests moved off a failed worker", registry=r
         )
 
-    def forget_worker(self, worker_id: str) -> None:
-        """Drops a removed worker's labelled series."""
+    def worker_joined(self, worker: object) -> None:
+        """(Registry listener.) Series appear with the worker's first stats."""
+
+    def worker_left(self, worker_id: str) -> None:
+        """(Registry listener.) Drops the labelled series of a worker that left routing."""
         for gauge in (self.kv_free, self.running, self.waiting):
             try:
                 gauge.remove(worker_id)

@@ -1,8 +1,10 @@
 """Routing policies: pick one worker for a request from a view of every eligible worker.
 
-Policies are plain objects over `WorkerView`s (prefix match, booked load, reported stats), so the
-live router and the simulator run the same code. `RoutingCore` fills the views, removes dead,
-draining and excluded workers, and handles session pins; a policy only chooses.
+Policies are plain objects over `WorkerView`s (`router.views`: prefix match, booked and reported
+load, and the core's estimate of the request there), so the live router and the simulator run
+the same code. `RoutingCore` builds the views of the ready, non-excluded workers once per
+request, estimates the request on each (`router.estimate`) and handles session pins; a policy
+only chooses.
 
 - `round_robin`, `random` (seeded), `power_of_two` (two random workers, the less loaded),
   `least_load`: cache-blind baselines.
@@ -14,10 +16,10 @@ draining and excluded workers, and handles session pins; a policy only chooses.
 - `e2`: Preble's exploit/explore: if the best match covers more tokens than it leaves to compute,
   exploit it; else explore: least load + eviction cost + own prefill time; then Preble's
   rebalancing: a worker far above the least load gets no more (the least loaded one does).
-- `cost` (default): the least predicted time to first token (`router.cost_model`: queued
-  prefill, waits for a running slot or KV room, own uncached prefill), plus a weight x the
-  prefill work the choice adds (recomputing a prefix costs later requests capacity; more so
-  under backlog) and a small weight x its decode time there. A cached prefix is worth the
+- `cost` (default): the least predicted time to first token (the estimate: queued prefill,
+  waits for a running slot or KV room, own uncached prefill), plus named terms for the harm
+  the choice does to other requests (`router.cost_terms`: the prefill work it adds, the tail,
+  the guard, affinity, demand, its decode time there). A cached prefix is worth the
   prefill it saves, so locality yields to load gradually, never by a hard switch; load booked
   at dispatch makes a burst spread once queueing behind the cached worker costs more than
   recomputing the prefix elsewhere.
@@ -34,59 +36,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.cost_config import CostConfig
-from router.cost_model import CostModel
-from worker.protocol import WorkerStats
-
-
-@dataclass(slots=True)
-class WorkerView:
-    """What a policy sees of one worker for one request (filled by `RoutingCore`; read-only)."""
-
-    worker_id: str
-    stats: WorkerStats | None = None  # last reported, None until the first report
-    draining: bool = False
-    matched_blocks: int = 0  # leading blocks of the request on its device (index's belief)
-    host_blocks: int = 0  # further blocks found only on its host tier
-    cached_blocks: int = 0  # blocks the index holds for it in all: its cache's size
-    requests: int = 0  # routed here and not finished (booked)
-    prefill_tokens: int = 0  # booked uncached prompt tokens whose prefill is still ahead
-    decode_tokens: int = 0  # booked expected output tokens
-    active_tokens: int = 0  # booked KV footprint: prompt + expected output
-    drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
-    queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
-    affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here
-    demand_tokens_per_s: float = 0.0  # prompt tokens/s routed here lately (`router.affinity`)
-    # requests its last stats counted beyond this router's bookings when they arrived (other
-    # routers'): fixed until the next stats, so releases since then do not look like load
-    foreign_requests: int = 0
-
-    @property
-    def load(self) -> int:
-        """Requests on the worker: booked here, plus other routers' as last reported."""
-        return self.requests + self.foreign_requests
-
-
-@dataclass(slots=True)
-class RouteRequest:
-    """The request as routing sees it: sizes only, never text."""
-
-    request_id: str
-    num_tokens: int
-    num_blocks: int  # full blocks (len of its block hashes)
-    expected_output: int = 0
-    block_size: int = 16
-    session_id: str | None = None
-
-
-@dataclass(slots=True)
-class Decision:
-    """The chosen worker, why, and the prefix hit the index predicts there (tokens)."""
-
-    worker_id: str
-    reason: str
-    cached_tokens: int = 0
-    host_tokens: int = 0
+from router.cost_terms import CostTerms, scores
+from router.views import Decision, RouteRequest, WorkerView
 
 
 @dataclass
@@ -100,7 +51,7 @@ class PolicyConfig:
     overlap_weight: float = 1.0  # kv_cost: weight of prefill blocks against active blocks
     e2_balance_ratio: float = 2.0  # e2: a worker with more than this x the least load ...
     e2_balance_floor_s: float = 1.0  # ... plus this many seconds of work is overloaded
-    cost: CostConfig = field(default_factory=CostConfig)
+    cost: CostTerms = field(default_factory=CostTerms)  # cost: its terms (`router.cost_terms`)
 
 
 class Policy(ABC):
@@ -111,7 +62,6 @@ class Policy(ABC):
     def __init__(self, config: PolicyConfig | None = None) -> None:
         self.config = config or PolicyConfig()
         self.rng = random.Random(self.config.seed)
-        self.cost_model = CostModel(self.config.cost)
         self._turn = 0
 
     @abstractmethod
@@ -230,8 +180,7 @@ class E2(Policy):
     name = "e2"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
-        model = self.cost_model
-        estimates = [model.estimate(request, w) for w in workers]
+        estimates = [w.estimate for w in workers]
         loads = [
             e.wait_s + e.step_s * w.decode_tokens / max(1, w.load)
             for e, w in zip(estimates, workers, strict=True)
@@ -245,7 +194,7 @@ class E2(Policy):
             reason = "exploit"
         else:
             explore = [
-                load + model.eviction_s(request, w) + e.prefill_s
+                load + eviction_s(request, w) + e.prefill_s
                 for load, e, w in zip(loads, estimates, workers, strict=True)
             ]
             chosen, reason = self._pick_index(workers, explore), "explore"
@@ -256,13 +205,27 @@ class E2(Policy):
         return Decision(workers[chosen].worker_id, reason)
 
 
+def eviction_s(request: RouteRequest, view: WorkerView) -> float:
+    """Recompute time of cached tokens the worker must evict to fit the request (0 when it has
+    not reported its KV)."""
+    stats = view.stats
+    if stats is None or stats.kv_total <= 0:
+        return 0.0
+    limit = max(0, request.num_tokens - 1)
+    device = min(view.matched_blocks * request.block_size, limit)
+    need = request.num_tokens - device + request.expected_output
+    evicted = min(stats.kv_evictable, max(0, need - stats.kv_free))
+    return evicted / view.estimate.prefill_tokens_per_s
+
+
 class Cost(Policy):
-    """The least predicted time to first token (see `router.cost_model`)."""
+    """The least predicted time to first token plus the harm to other requests (see
+    `router.cost_terms`)."""
 
     name = "cost"
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
-        chosen = self._pick(workers, self.cost_model.scores(request, workers))
+        chosen = self._pick(workers, scores(self.config.cost, request, workers))
         return Decision(chosen.worker_id, locality_reason(chosen, workers))
 
 

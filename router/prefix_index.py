@@ -29,7 +29,6 @@ from mem_cache.events import (
     AllCleared,
     BlockRemoved,
     BlockStored,
-    EventBatch,
     KVEvent,
 )
 from router.index_store import TIERS, EntryStore
@@ -73,7 +72,7 @@ class PrefixIndex:
     # --- workers ---------------------------------------------------------------------------
 
     def add_worker(self, worker_id: str) -> None:
-        """Register a worker (no entries, no event cursor). A known worker is left as it is."""
+        """Register a worker (no entries). A known worker is left as it is."""
         self._store.add_worker(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
@@ -82,11 +81,6 @@ class PrefixIndex:
 
     def workers(self) -> list[str]:
         return list(self._workers)
-
-    def cursor(self, worker_id: str) -> tuple[int, int] | None:
-        """(epoch, seq) of the last event batch applied for the worker, None before a snapshot."""
-        worker = self._workers.get(worker_id)
-        return None if worker is None else worker.cursor
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -191,7 +185,7 @@ class PrefixIndex:
                 pending[h] = deadline  # re-inserted last: keeps deadline order
 
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> None:
-        """Apply a worker's KV events in order (no sequence check; see `apply_batch`)."""
+        """Apply a worker's KV events in order (the caller checked their sequence)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return
@@ -208,30 +202,6 @@ class PrefixIndex:
             elif isinstance(event, AllCleared):
                 store.clear(worker)
         store.enforce_bound()
-
-    def apply_batch(self, batch: EventBatch) -> bool:
-        """Apply one numbered batch; False when events were missed and a snapshot is needed.
-
-        A batch starting with `AllCleared` is a snapshot: applied whatever the cursor (unless it
-        is older than the cursor in the same epoch). Otherwise it must be the next `seq` of the
-        current epoch; an old duplicate is ignored (True); a gap, a new epoch, or no cursor yet
-        returns False and changes nothing. Batches of unknown workers are ignored (True).
-        """
-        worker = self._workers.get(batch.worker_id)
-        if worker is None:
-            return True
-        cursor = worker.cursor
-        same_epoch = cursor is not None and cursor[0] == batch.epoch
-        if batch.events and isinstance(batch.events[0], AllCleared):
-            if same_epoch and batch.seq < cursor[1]:
-                return True
-        elif not same_epoch or batch.seq > cursor[1] + 1:
-            return False
-        elif batch.seq <= cursor[1]:
-            return True
-        self.apply(batch.worker_id, batch.events)
-        worker.cursor = (batch.epoch, batch.seq)
-        return True
 
     def expire(self) -> int:
         """Drop optimistic entries past their deadline; returns how many were dropped."""

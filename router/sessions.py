@@ -71,11 +71,6 @@ class SessionTable:
             del self._pins[session_id]
         return gone
 
-    def sessions_of(self, worker_id: str) -> list[str]:
-        """Live sessions pinned to the worker."""
-        now = self._clock()
-        return [s for s, p in self._pins.items() if p.worker_id == worker_id and p.expires_at > now]
-
     def expire(self) -> int:
         """Drop expired pins (oldest first, so this stops at the first live one)."""
         now = self._clock()

@@ -107,6 +107,8 @@ class WorkerActor:
             "page_size": engine.config.page_size,
             "block_size": engine.config.block_size,
             "max_context": engine.max_context,
+            "max_running": engine.config.max_running,
+            "prefill_budget": engine.config.prefill_budget,
             "kv_tokens": engine.memory.allocator.size,
             "vocab_size": engine.model.config.vocab_size,
             "eos_token_ids": list(engine.eos_token_ids),

@@ -6,7 +6,7 @@ Ray and the engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import msgpack
@@ -68,6 +68,33 @@ class TokenChunk:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class EngineShape:
+    """The engine facts routing depends on, as a worker reports them in `ready()` (the dict
+    keys of the same names). Defaults are our engine's defaults (`worker.engine.EngineConfig`),
+    taken for a key a worker does not report.
+
+    block_size: tokens per hashed block (KV events, the router's index).
+    page_size: tokens per KV page.
+    max_context: prompt + output tokens of one request (0: not reported).
+    max_running: requests the engine runs at once; more wait.
+    prefill_budget: tokens one engine step computes (chunked prefill).
+    """
+
+    block_size: int = 16
+    page_size: int = 1
+    max_context: int = 0
+    max_running: int = 64
+    prefill_budget: int = 512
+
+    @classmethod
+    def from_info(cls, info: dict[str, Any], default: EngineShape | None = None) -> EngineShape:
+        """The shape in a `ready()` answer; a missing, null or zero key keeps `default`'s value
+        (the class defaults when None)."""
+        known = {f.name for f in fields(cls)}
+        return replace(default or cls(), **{k: int(v) for k, v in info.items() if k in known and v})
 
 
 @dataclass(slots=True)

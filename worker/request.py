@@ -98,10 +98,6 @@ class Request:
         return len(self.tokens) - self.num_computed
 
     @property
-    def is_decoding(self) -> bool:
-        return self.status is Status.RUNNING and self.remaining == 1 and self.num_output > 0
-
-    @property
     def tail_len(self) -> int:
         """Slots this request owns itself (not through the tree)."""
         return self.alloc_len - self.prefix_len

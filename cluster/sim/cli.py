@@ -70,7 +70,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None,
                         help="time profile JSON (default: H100 + Llama 3 8B)")
     parser.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
-                        help="overrides of the cost policy's CostConfig (as for serve)")
+                        help="overrides of the routing estimate and the cost terms (as for serve)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", default=None, metavar="FILE.png")
     parser.add_argument("--no-progress", action="store_true")

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from cluster.sim.time_model import TimeProfile, attended_pairs
 from cluster.sim.worker import SimWorker
 from router.config import cost_config
-from router.core import RoutingCore
-from router.cost_config import CostConfig
-from router.policies import PolicyConfig, make_policy
-from worker.protocol import WorkerStats
+from router.core import CoreConfig, RoutingCore
+from router.estimate import EstimateConfig
+from router.policies import PolicyConfig
+from worker.protocol import EngineShape, WorkerStats
 
 
 def prefill_speed(profile: TimeProfile) -> float:
@@ -32,19 +32,34 @@ def make_core(
     profile: TimeProfile,
     cost_overrides: dict | None = None,
 ) -> RoutingCore:
-    """A `RoutingCore` running `policy` on the simulated `clock` (`cost_overrides`: fields of
-    `CostConfig` set on top of the profile's speeds, as `--cost-config`)."""
-    cost = CostConfig(
+    """A `RoutingCore` running `policy` on the simulated `clock` (`cost_overrides`: as
+    `--cost-config`, on top of the profile's speeds)."""
+    priors = EstimateConfig(
         prefill_tokens_per_s=prefill_speed(profile),
         decode_step_s=profile.step_s(0, 0, 1, 0),
         decode_step_per_request_s=profile.token_s,
-        prefill_budget=profile.prefill_budget,
         attention_knee_tokens=profile.token_s / profile.attn_pair_s,
-        max_running=profile.max_running,
         host_load_tokens_per_s=1.0 / profile.host_load_token_s,
     )
-    config = PolicyConfig(seed=seed, cost=cost_config(cost, cost_overrides))
-    return RoutingCore(make_policy(policy, config), clock=clock, block_size=block_tokens)
+    estimate, terms = cost_config(cost_overrides, priors)
+    config = CoreConfig(
+        policy=policy,
+        block_size=block_tokens,
+        estimate=estimate,
+        policies=PolicyConfig(seed=seed, cost=terms),
+    )
+    return RoutingCore(clock=clock, config=config)
+
+
+def worker_shape(worker: SimWorker) -> EngineShape:
+    """The engine shape the worker reports when it joins."""
+    profile = worker.profile
+    return EngineShape(
+        block_size=worker.block_tokens,
+        max_context=1 << 20,
+        max_running=profile.max_running,
+        prefill_budget=profile.prefill_budget,
+    )
 
 
 def worker_stats(worker: SimWorker) -> WorkerStats:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cluster.progress import Progress
-from cluster.sim.routing import make_core, worker_stats
+from cluster.sim.routing import make_core, worker_shape, worker_stats
 from cluster.sim.time_model import TimeProfile
 from cluster.sim.worker import RequestState, SimWorker
 from cluster.sim.workloads import Workload
@@ -43,7 +43,7 @@ class SimConfig:
     seed: int = 0
     host_kv_tokens: int = 0  # host KV tier per worker (0: none)
     host_policy: str = "write_through"
-    cost_config: dict = field(default_factory=dict)  # `cost` policy overrides (CostConfig)
+    cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
 
 
 @dataclass(slots=True)
@@ -91,7 +91,7 @@ class Simulator:
             config.policy, lambda: self.now, config.seed, bt, profile, config.cost_config
         )
         for w in self.workers:
-            self.core.add_worker(w.worker_id, worker_stats(w))
+            self.core.add_worker(w.worker_id, worker_stats(w), worker_shape(w))
             self.core.apply_events(encode_batch(w.worker_id, 0, 0, w.cache.snapshot_events()))
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()

@@ -30,7 +30,7 @@ def test_serve_defaults_are_the_laptop_setup(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     config = ClusterConfig.from_args(build_parser().parse_args(["serve"]))
     assert (config.model, config.host, config.port, config.address) == (
-        "tiny", "127.0.0.1", 8000, None)
+        "smollm2-135m-instruct", "127.0.0.1", 8000, None)
     assert config.resolve_device(cluster_gpus=0) == "cpu"
     assert config.resolve_workers("cpu", 0) == 2
     assert config.bundle("cpu") == {"CPU": 1.0}
@@ -64,11 +64,13 @@ def test_cost_config_flag_reaches_the_routers_policy():
 
     tiny = str(builtin_model_path("tiny"))
     args = build_parser().parse_args(
-        ["serve", "--cost-config", '{"idle_while_decoding": true, "idle_weight": 8}'])
-    cost = Router(router_config(ClusterConfig.from_args(args), tiny)).core.cost_model.config
-    assert (cost.idle_while_decoding, cost.idle_weight) == (True, 8)
-    default = Router(router_config(ClusterConfig(), tiny)).core.cost_model.config
-    assert (default.idle_while_decoding, default.idle_weight) == (False, 2.0)
+        ["serve", "--cost-config",
+         '{"compute": {"idle_while_decoding": true, "idle_weight": 8}, "guard": null}'])
+    cost = Router(router_config(ClusterConfig.from_args(args), tiny)).core.policy.config.cost
+    assert (cost.compute.idle_while_decoding, cost.compute.idle_weight) == (True, 8)
+    assert cost.guard is None
+    default = Router(router_config(ClusterConfig(), tiny)).core.policy.config.cost
+    assert (default.compute.idle_while_decoding, default.compute.idle_weight) == (False, 2.0)
 
 
 def test_bad_cost_config_fails_before_anything_starts(capsys):
@@ -77,9 +79,11 @@ def test_bad_cost_config_fails_before_anything_starts(capsys):
             build_parser().parse_args(["serve", "--cost-config", bad])
         assert "--cost-config" in capsys.readouterr().err
     with pytest.raises(ValueError, match="idle_wieght"):
-        ClusterConfig.from_dict({"cost_config": {"idle_wieght": 8}})
+        ClusterConfig.from_dict({"cost_config": {"compute": {"idle_wieght": 8}}})
     with pytest.raises(ValueError, match="must be true or false"):
-        ClusterConfig(cost_config={"idle_while_decoding": "yes"})
+        ClusterConfig(cost_config={"compute": {"idle_while_decoding": "yes"}})
+    with pytest.raises(ValueError, match="must be an object"):
+        ClusterConfig(cost_config={"tail": 8})
 
 
 def test_gpu_cluster_gets_one_worker_per_gpu_group():
@@ -153,7 +157,8 @@ class Serve:
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
         self.proc = subprocess.Popen(
-            [*_command(), "serve", "--port", str(port), "--kv-tokens", "4096", "--num-cpus", "2"],
+            [*_command(), "serve", "--model", "tiny", "--port", str(port), "--kv-tokens", "4096",
+             "--num-cpus", "2"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True,  # its own process group, as a shell gives a foreground job
         )

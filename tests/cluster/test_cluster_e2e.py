@@ -35,7 +35,8 @@ def long_text(seed: int, words: int = 120) -> str:
 @pytest.fixture(scope="module")
 def cluster(helpers):
     ray.init(num_cpus=4, include_dashboard=False)
-    launcher = Launcher(ClusterConfig(port=helpers.free_port(), kv_tokens=8192, workers=2))
+    launcher = Launcher(ClusterConfig(
+        model="tiny", port=helpers.free_port(), kv_tokens=8192, workers=2))
     try:
         launcher.start()
         yield launcher

@@ -21,7 +21,7 @@ MAX_TOKENS = 48
 @pytest.fixture(scope="module")
 def cluster(helpers):
     ray.init(num_cpus=4, include_dashboard=False)
-    config = ClusterConfig(port=helpers.free_port(), kv_tokens=8192, workers=2)
+    config = ClusterConfig(model="tiny", port=helpers.free_port(), kv_tokens=8192, workers=2)
     launcher = Launcher(config)
     try:
         launcher.start()

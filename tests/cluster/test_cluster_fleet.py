@@ -43,7 +43,8 @@ def served(helpers):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ClusterConfig(fleet_name=FLEET)
     try:
-        serve.run(build_app({"workers": 2, "kv_tokens": 4096, "port": 1, "fleet_name": FLEET,
+        serve.run(build_app({"model": "tiny", "workers": 2, "kv_tokens": 4096, "port": 1,
+                             "fleet_name": FLEET,
                              "router_replicas": 2}),
                   name="radixray", route_prefix="/")
         yield f"http://127.0.0.1:{port}", find_fleet(config)

@@ -28,7 +28,8 @@ def three_nodes(helpers):
     nodes = [ray_cluster.add_node(num_cpus=1) for _ in range(2)]
     ray_cluster.wait_for_nodes()
     ray.init(address=ray_cluster.address)
-    launcher = Launcher(ClusterConfig(port=helpers.free_port(), kv_tokens=4096, workers=3))
+    launcher = Launcher(ClusterConfig(
+        model="tiny", port=helpers.free_port(), kv_tokens=4096, workers=3))
     try:
         launcher.start()
         yield ray_cluster, nodes, launcher

@@ -43,8 +43,8 @@ def test_cpu_share_fits_every_worker_and_an_explicit_value_wins():
 def test_three_workers_on_a_two_cpu_local_ray_all_serve(helpers, capsys):
     assert not ray.is_initialized()  # the launcher's own path: it starts the local Ray
     lines: list[str] = []
-    config = ClusterConfig(port=helpers.free_port(), kv_tokens=4096, workers=3, num_cpus=2,
-                           policy="round_robin", ready_timeout_s=300)
+    config = ClusterConfig(model="tiny", port=helpers.free_port(), kv_tokens=4096, workers=3,
+                           num_cpus=2, policy="round_robin", ready_timeout_s=300)
     launcher = Launcher(config, echo=lines.append)
     try:
         url = launcher.start()

@@ -28,7 +28,8 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def cluster(helpers):
     ray.init(num_cpus=4, include_dashboard=False)
-    config = ClusterConfig(port=helpers.free_port(), kv_tokens=8192, workers=2, router_replicas=2,
+    config = ClusterConfig(model="tiny", port=helpers.free_port(), kv_tokens=8192, workers=2,
+                           router_replicas=2,
                            fleet_name="radixray-fleet-routers")
     launcher = Launcher(config)
     try:

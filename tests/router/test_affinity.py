@@ -100,11 +100,10 @@ def test_the_core_records_arrivals_for_the_holders_of_the_longest_match() -> Non
     hashes = block_hashes(prompt)
     core.apply_events(encode_batch("w1", 0, 0, [AllCleared(), BlockStored(hashes, None)]))
     core.apply_events(encode_batch("w2", 0, 0, [AllCleared(), BlockStored(hashes[:8], None)]))
-    core.decide("dry", hashes, len(prompt), 10)  # a dry run records nothing
     assert all(v.affinity_rate == 0.0 for v in core.workers())
     core.route("r1", hashes, len(prompt), 10)
     rates = {v.worker_id: v.affinity_rate for v in core.workers()}
-    window = core.cost_model.config.affinity_window_s
+    window = core.config.estimate.affinity_window_s
     assert rates == {"w0": 0.0, "w1": pytest.approx(1 / window), "w2": 0.0}
     demand = {v.worker_id: v.demand_tokens_per_s for v in core.workers()}
     chosen = next(w for w, d in demand.items() if d)  # the routed prompt is wanted there next

@@ -21,20 +21,15 @@ from router.tokenizer import Tokenizer  # noqa: E402
 
 
 class FakeControl:
-    """Starts FakeWorkers: returns the Backend (sync) or registers it itself and returns its id."""
+    """Starts FakeWorkers (returns each one's Backend) and records removals."""
 
     def __init__(self) -> None:
         self.started = 0
         self.removed: list[str] = []
-        self.registry = None  # set when the control registers workers itself
 
     async def add_worker(self):
         self.started += 1
-        worker = FakeWorker(f"added{self.started}", delay_s=0.01)
-        if self.registry is None:
-            return worker
-        await self.registry.add(worker)
-        return worker.worker_id
+        return FakeWorker(f"added{self.started}", delay_s=0.01)
 
     def remove_worker(self, worker_id: str) -> None:
         self.removed.append(worker_id)
@@ -62,7 +57,6 @@ def test_add_drain_remove_through_the_admin_api(tokenizer):
         assert httpx.post(server.url + "/v1/admin/workers").status_code == 401
         added = http.post("/v1/admin/workers", json={"count": 2}).json()["added"]
         assert added == ["added1", "added2"]
-        control.registry = app.state.router.workers
         assert http.post("/v1/workers", json={}).json()["added"] == ["added3"]
         ids = {r["id"] for r in http.get("/v1/workers").json()["data"]}
         assert ids == {"w0", "added1", "added2", "added3"}
@@ -71,9 +65,9 @@ def test_add_drain_remove_through_the_admin_api(tokenizer):
         slow = {"model": "tiny", "prompt": "drain me", "max_tokens": 40, "stream": True}
         with http.stream("POST", "/v1/completions", json=slow) as resp:
             victim = resp.headers["x-radixray-worker"]
-            drain = server.call_soon(app.state.router.drain(victim))
-            workers = app.state.router.workers
-            wait_for(lambda: victim in workers.draining or victim not in workers.backends)
+            drain = server.call_soon(app.state.router.admin.drain(victim))
+            workers = app.state.router.registry
+            wait_for(lambda: victim not in workers or workers[victim].state == "draining")
             body = b"".join(resp.iter_bytes())
         assert body.endswith(b"data: [DONE]\n\n")
         assert drain.result(10) == {"id": victim, "state": "removed"}
@@ -98,7 +92,7 @@ def test_client_disconnect_mid_stream_aborts_and_releases(tokenizer):
                     break
         router = app.state.router
         wait_for(lambda: worker.aborted and not worker.active)
-        wait_for(lambda: router.workers.in_flight("w0") == 0)
+        wait_for(lambda: router.registry["w0"].in_flight == 0)
         assert router.core.ledger.load("w0", time.monotonic()).requests == 0
         assert worker.requests[-1].request_id in worker.aborted
 

@@ -209,7 +209,7 @@ def test_models_health_workers_metrics(client, live):
 def test_nothing_leaks_after_requests(live):
     time.sleep(0.1)
     assert all(not w.active for w in live.workers)
-    assert all(live.router.workers.in_flight(w) == 0 for w in ("w0", "w1"))
+    assert all(live.router.registry[w].in_flight == 0 for w in ("w0", "w1"))
     assert live.router.core.ledger.load("w0", time.monotonic()).requests == 0
 
 

@@ -16,16 +16,16 @@ from mem_cache.events import block_hashes  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.core import RoutingCore  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.workers import WorkerRegistry, batch_position  # noqa: E402
+from router.workers import WorkerSync  # noqa: E402
 
 PROMPT = list(range(100, 164))  # 4 blocks
 
 
-def registry() -> WorkerRegistry:
-    return WorkerRegistry(RouterConfig(), RoutingCore(), RouterMetrics())
+def registry() -> WorkerSync:
+    return WorkerSync(RouterConfig(), RoutingCore(), RouterMetrics())
 
 
-def held(reg: WorkerRegistry, worker_id: str, tokens: list[int]) -> int:
+def held(reg: WorkerSync, worker_id: str, tokens: list[int]) -> int:
     return reg.core.index.match(block_hashes(tokens)).device.get(worker_id, 0)
 
 
@@ -39,7 +39,7 @@ def test_join_applies_snapshot_then_follows_batches():
         worker._store(PROMPT, None)
         await reg.poll_events("w0")
         assert held(reg, "w0", PROMPT) == 4
-        assert reg.cursors["w0"] == (worker.epoch, worker.seq)
+        assert reg.registry["w0"].cursor == (worker.epoch, worker.seq)
 
     asyncio.run(run())
 
@@ -59,7 +59,7 @@ def test_a_gap_in_seq_is_healed_by_a_snapshot():
 
         worker.kv_events = lossy
         await reg.poll_events("w0")
-        assert reg.cursors["w0"] == (-1, -1)  # gap detected: ask for a snapshot next
+        assert reg.registry["w0"].cursor is None  # gap detected: ask for a snapshot next
         await reg.poll_events("w0")
         assert held(reg, "w0", PROMPT) == 4
 
@@ -79,18 +79,14 @@ def test_polling_loop_marks_a_dead_worker_and_refreshes_stats():
         reg.config.event_poll_s = 0.01
         reg.start()
         for _ in range(200):
-            if "w1" in reg.dead and reg.stats["w0"].running == 1:
+            w0, w1 = reg.registry["w0"], reg.registry["w1"]
+            if w1.state == "dead" and w0.stats is not None and w0.stats.running == 1:
                 break
             await asyncio.sleep(0.01)
         await reg.stop()
-        assert reg.state("w1") == "dead" and held(reg, "w1", PROMPT) == 0
+        assert reg.registry["w1"].state == "dead" and held(reg, "w1", PROMPT) == 0
         assert {v.worker_id for v in reg.core.workers()} == {"w0"}
-        assert reg.stats["w0"].running == 1
+        assert reg.registry["w0"].stats.running == 1
 
     asyncio.run(run())
 
-
-def test_batch_position_reads_epoch_and_seq():
-    worker = FakeWorker("w0")
-    worker._store(PROMPT, None)
-    assert batch_position(worker.batches[-1][1]) == (worker.epoch, worker.seq)

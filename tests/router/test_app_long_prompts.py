@@ -32,13 +32,13 @@ def live(tokenizer):
     app = create_app(RouterConfig(model="tiny"), workers, tokenizer=tokenizer)
     router = app.state.router
     threads: list[str] = []
-    build = router.completion_job
+    build = router.jobs.completion_job
 
     def recording(body, session_id):
         threads.append(threading.current_thread().name)
         return build(body, session_id)
 
-    router.completion_job = recording
+    router.jobs.completion_job = recording
     with LiveServer(app) as server:
         server.threads = threads
         yield server

@@ -81,7 +81,7 @@ def test_unreachable_server_is_backend_dead():
 
 
 def test_router_in_front_gives_the_same_tokens_as_the_server(front, upstream):
-    assert front.router.workers.state("gone") == "dead"
+    assert front.router.registry["gone"].state == "dead"
     kwargs = dict(model="tiny", prompt="same answer through two routers " * 3, max_tokens=12)
     direct = openai.OpenAI(base_url=upstream.url + "/v1", api_key="x").completions.create(**kwargs)
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0)

@@ -80,14 +80,18 @@ def test_app_over_ray_workers_reports_real_cache_hits(actors):
     with LiveServer(app) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
         messages = [{"role": "user", "content": "tell me about prefix caches " * 4}]
-        cursors = app.state.router.workers.cursors
-        before = {w: cursors.get(w, (-1, -1))[1] for w in ("ray0", "ray1")}
+        registry = app.state.router.registry
+
+        def seq(worker_id: str) -> int:
+            return (registry[worker_id].cursor or (-1, -1))[1]
+
+        before = {w: seq(w) for w in ("ray0", "ray1")}
         raw_first = client.chat.completions.with_raw_response.create(
             model="tiny", messages=messages, max_tokens=4
         )
         first, served = raw_first.parse(), raw_first.headers["x-radixray-worker"]
         deadline = time.monotonic() + 20
-        while cursors.get(served, (-1, -1))[1] <= before[served]:  # the router pulls events
+        while seq(served) <= before[served]:  # the router pulls events
             assert time.monotonic() < deadline, "no KV events from the worker"
             time.sleep(0.02)
         raw = client.chat.completions.with_raw_response.create(
@@ -156,6 +160,6 @@ def test_actor_killed_mid_stream_the_stream_goes_on(actors):
                 if i == 2:
                     ray.kill(actors[int(victim[-1])])
         assert ids == reference.choices[0].model_extra["token_ids"]
-        assert app.state.router.workers.state(victim) == "dead"
+        assert app.state.router.registry[victim].state == "dead"
         metrics = httpx.get(server.url + "/metrics").text
         assert "radixray_failovers_total 1.0" in metrics  # it died while streaming to us

@@ -269,6 +269,6 @@ def test_router_keeps_serving_and_nothing_leaked(live):
     assert resp.status_code == 200 and resp.headers["x-radixray-worker"] == "w0"
     time.sleep(0.05)
     assert len(live.worker.requests) == 1  # no bad request ever reached the worker
-    assert not live.worker.active and live.router.workers.in_flight("w0") == 0
+    assert not live.worker.active and live.router.registry["w0"].in_flight == 0
     assert len(live.router.core.sessions) == 0
     assert live.router.core.ledger.load("w0", time.monotonic()).requests == 0

@@ -130,10 +130,11 @@ def test_remove_worker_leaves_no_trace() -> None:
     core.apply_events(encode_batch("w1", 0, 0, [AllCleared(), BlockStored(HASHES, None)]))
     core.route("r1", HASHES, len(PROMPT), 10, session_id="s")
     core.route("r2", block_hashes([5] * 320), 320, 10, exclude={"w0"})
-    assert sorted(core.remove_worker("w1")) == ["r1", "r2"]
+    assert sorted(b.request_id for b in core.ledger.bookings()) == ["r1", "r2"]
+    core.remove_worker("w1")
     assert core.index_blocks() == 0 and len(core.ledger) == 0 and len(core.sessions) == 0
-    assert [v.worker_id for v in core.workers()] == ["w0"]
-    assert core.remove_worker("w1") == []
+    assert [v.worker_id for v in core.workers()] == ["w0"] and "w1" not in core.registry
+    core.remove_worker("w1")  # unknown: ignored
     assert core.route("r3", HASHES, len(PROMPT), 10).worker_id == "w0"
 
 
@@ -142,10 +143,10 @@ def test_no_worker_error_when_nothing_is_eligible() -> None:
     with pytest.raises(NoWorkerError):
         core.route("r", HASHES, len(PROMPT), 10)
     core.add_worker("w0")
-    core.set_draining("w0")
+    core.registry.set_draining("w0")
     with pytest.raises(NoWorkerError):
         core.route("r", HASHES, len(PROMPT), 10)
-    core.set_draining("w0", False)
+    core.registry.set_draining("w0", False)
     with pytest.raises(NoWorkerError):
         core.route("r", HASHES, len(PROMPT), 10, exclude={"w0"})
     assert core.route("r", HASHES, len(PROMPT), 10).worker_id == "w0"

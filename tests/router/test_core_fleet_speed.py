@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from mem_cache.events import block_hashes
-from router.core import RoutingCore
-from router.cost_config import CostConfig
-from router.policies import PolicyConfig, make_policy
+from router.core import CoreConfig, RoutingCore
+from router.estimate import EstimateConfig
 from worker.protocol import WorkerStats
 
 
@@ -51,8 +50,7 @@ def test_a_really_faster_worker_still_wins_new_prefixes() -> None:
 
 def two_busy_workers(step_noise: float) -> RoutingCore:
     """Same batch size; "long" decodes longer contexts (a 33% slower step than "short")."""
-    cost = CostConfig(step_noise=step_noise)
-    core = RoutingCore(make_policy("cost", PolicyConfig(cost=cost)))
+    core = RoutingCore(config=CoreConfig(estimate=EstimateConfig(step_noise=step_noise)))
     busy = {"running": 8, "prefill_tokens_per_s": 20_000.0}
     core.add_worker("long", WorkerStats("long", decode_step_s=0.020, **busy))
     core.add_worker("short", WorkerStats("short", decode_step_s=0.015, **busy))
@@ -64,7 +62,7 @@ def test_past_step_noise_a_worker_decoding_long_contexts_is_seen_to_prefill_slow
     `step_noise` of the median the measured step counts, and a long new prompt goes where
     fewer context tokens decode alongside its chunks."""
     core = two_busy_workers(step_noise=0.1)
-    steps = {v.worker_id: core.cost_model.speeds(v).step_s for v in core.workers()}
+    steps = {v.worker_id: core.estimator.speeds(v).step_s for v in core.workers()}
     assert steps == {"long": 0.020, "short": 0.015}
     prompt = list(range(30_000))
     assert core.route("r", block_hashes(prompt), len(prompt), 16).worker_id == "short"
@@ -72,6 +70,6 @@ def test_past_step_noise_a_worker_decoding_long_contexts_is_seen_to_prefill_slow
 
 def test_within_the_default_step_noise_both_count_as_the_median() -> None:
     # 25%: a narrower band stacked chat sessions on stale reports (docs/benchmarks.md)
-    core = two_busy_workers(step_noise=CostConfig().step_noise)
-    steps = {v.worker_id: core.cost_model.speeds(v).step_s for v in core.workers()}
+    core = two_busy_workers(step_noise=EstimateConfig().step_noise)
+    steps = {v.worker_id: core.estimator.speeds(v).step_s for v in core.workers()}
     assert steps == {"long": 0.0175, "short": 0.0175}

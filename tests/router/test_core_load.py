@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_config import CostConfig
+from router.cost_terms import ComputeTerm, CostTerms
+from router.estimate import Estimator
 from router.load import Booking, LoadLedger
-from router.policies import PolicyConfig, RouteRequest, WorkerView, make_policy
+from router.policies import Policy, PolicyConfig, make_policy
+from router.views import Decision, RouteRequest, WorkerView
 from worker.protocol import WorkerStats
 
 
@@ -63,7 +65,7 @@ def test_drain_rate_measures_released_kv_over_a_window() -> None:
 
 
 def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
-    policy = make_policy("cost", PolicyConfig(cost=CostConfig(compute_weight=0.5)))
+    policy = make_policy("cost", PolicyConfig(cost=CostTerms(compute=ComputeTerm(weight=0.5))))
     request = RouteRequest("r", 4000, 250, 100, 16)
     full = WorkerStats("w0", kv_total=50_000)
     # w0 holds the prefix but its booked requests overfill its KV by ~53k tokens, which
@@ -71,6 +73,17 @@ def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
     busy = WorkerView("w0", full, matched_blocks=240, requests=20, decode_tokens=2000,
                       active_tokens=99_000)  # fmt: skip
     idle = WorkerView("w1", WorkerStats("w1", kv_total=100_000))
-    assert policy.choose(request, [busy, idle]).worker_id == "w1"
+    assert choose(policy, request, [busy, idle]).worker_id == "w1"
     busy.drain_tokens_per_s = 1_000_000.0  # requests leave fast: room comes in ~3 ms
-    assert policy.choose(request, [busy, idle]).worker_id == "w0"
+    assert choose(policy, request, [busy, idle]).worker_id == "w0"
+
+
+def choose(
+    policy: Policy, request: RouteRequest, views: list[WorkerView]
+) -> Decision:
+    """`policy.choose` over views with the core's estimate filled in, as `RoutingCore` does."""
+    estimator = Estimator()
+    request.fleet_tokens_per_s = estimator.fleet.prefill_tokens_per_s
+    for view in views:
+        view.estimate = estimator.estimate(request, view)
+    return policy.choose(request, views)

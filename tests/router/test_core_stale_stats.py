@@ -42,7 +42,7 @@ def test_finished_requests_do_not_linger_as_load_until_the_next_report() -> None
     for i in range(3):
         core.finish(f"r{i}", cached_tokens=0)
     w0 = view(core, "w0")
-    assert w0.load == 0 and core.cost_model.queue_s(w0) == 0.0
+    assert w0.load == 0 and core.estimator.queue_s(w0) == 0.0
 
 
 def test_other_routers_requests_count_on_top_of_fresh_bookings() -> None:
@@ -57,8 +57,8 @@ def test_other_routers_requests_count_on_top_of_fresh_bookings() -> None:
     w0 = view(core, "w0")
     assert (w0.requests, w0.foreign_requests, w0.load) == (1, 4, 5)
     # the other router's share (4 of 5) of the reported queue adds to this router's own
-    effective = core.cost_model.speeds(w0).effective_tokens_per_s
-    assert core.cost_model.queue_s(w0) == pytest.approx(w0.queue_s + 0.8 * 8000 / effective)
+    effective = core.estimator.speeds(w0).effective_tokens_per_s
+    assert core.estimator.queue_s(w0) == pytest.approx(w0.queue_s + 0.8 * 8000 / effective)
     core.finish("mine", cached_tokens=0)
     assert view(core, "w0").load == 4  # the foreign requests stay until the next report
     # w1 reported 3 requests, none booked here; w0 has 4 foreign: w1 gets the next request

@@ -1,31 +1,51 @@
-"""The harms `cost` weighs besides a request's own TTFT: its TTFT past the tail threshold (not
-in a backlog), the compute weight growing with the share of busy workers, and the delay a long
-prefill imposes on the requests that want the worker (its affinity rate and demand). Each test
-turns the other knobs off."""
+"""The terms `cost` weighs besides a request's own TTFT (`router.cost_terms`): its TTFT past the
+tail threshold (not in a backlog), the guard, the compute weight growing with the share of busy
+workers, and the delay a long prefill imposes on the requests that want the worker (affinity
+and demand). Each test runs a plain compute term (weight 16, nothing else) plus the term it is
+about, with that term's own knobs only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from router.cost_config import CostConfig
-from router.cost_model import CostModel
-from router.policies import RouteRequest, WorkerView
+from router.cost_terms import (
+    AffinityTerm,
+    ComputeTerm,
+    CostTerms,
+    DecodeTerm,
+    DemandTerm,
+    GuardTerm,
+    TailTerm,
+)
+from router.cost_terms import scores as cost_scores
+from router.estimate import EstimateConfig, Estimator
+from router.views import RouteRequest, WorkerView
 from worker.protocol import WorkerStats
 
 SPEED = 1000.0  # tokens/s: a prompt of N uncached tokens takes N / 1000 s
+PLAIN = ComputeTerm(weight=16.0, busy_weight=0.0, backlog_weight=0.0, long_ttft_s=0.0)
 
 
-def model(**knobs: float) -> CostModel:
-    base = dict(
-        prefill_tokens_per_s=SPEED, attention_knee_tokens=0, decode_weight=0.0,
-        compute_weight=16.0, long_ttft_s=0.0, busy_weight=0.0, backlog_weight=0.0,
-        tail_weight=0.0, tail_guard_s=0.0, tail_guard_busy_s=0.0, affinity_weight=0.0,
-        demand_weight=0.0,
-    )  # fmt: skip
-    return CostModel(CostConfig(**{**base, **knobs}))
+class Model:
+    """The given terms on top of the plain compute term, over a linear-prefill estimate."""
+
+    def __init__(self, compute: ComputeTerm | None = PLAIN, **terms: object) -> None:
+        self.terms = CostTerms.only(compute=compute, **terms)
+
+    def scores(self, request: RouteRequest, views: list[WorkerView]) -> list[float]:
+        estimator = Estimator(EstimateConfig(prefill_tokens_per_s=SPEED, attention_knee_tokens=0))
+        request.fleet_tokens_per_s = estimator.fleet.prefill_tokens_per_s
+        for view in views:
+            view.estimate = estimator.estimate(request, view)
+        return cost_scores(self.terms, request, views)
 
 
-def pick(cost_model: CostModel, request: RouteRequest, views: list[WorkerView]) -> str:
+model = Model
+
+
+def pick(cost_model: Model, request: RouteRequest, views: list[WorkerView]) -> str:
     scores = cost_model.scores(request, views)
     return views[scores.index(min(scores))].worker_id
 
@@ -43,32 +63,32 @@ def test_without_the_tail_weight_the_request_waits_for_its_cached_prefix() -> No
 
 
 def test_a_wait_into_the_tail_outweighs_the_recompute() -> None:
-    assert pick(model(tail_ttft_s=3.0, tail_weight=8.0), *tail_case()) == "free"
+    assert pick(model(tail_ttft_s=3.0, tail=TailTerm(8.0)), *tail_case()) == "free"
 
 
 def test_the_tail_weight_leaves_choices_under_the_threshold_alone() -> None:
-    assert pick(model(tail_ttft_s=7.0, tail_weight=8.0), *tail_case()) == "cached"
+    assert pick(model(tail_ttft_s=7.0, tail=TailTerm(8.0)), *tail_case()) == "cached"
 
 
 def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
     # cached: 6.5 s, free: 2 s; whatever the recompute weighs, 6.5 s is past 2 s + 4 s
-    heavy = dict(compute_weight=1000.0, tail_ttft_s=4.0)
+    heavy = dict(compute=replace(PLAIN, weight=1000.0), tail_ttft_s=4.0)
     assert pick(model(**heavy), *tail_case()) == "cached"
-    assert pick(model(**heavy, tail_guard_s=4.0), *tail_case()) == "free"
-    assert pick(model(**heavy, tail_guard_s=5.0), *tail_case()) == "cached"  # 6.5 < 2 + 5
+    assert pick(model(**heavy, guard=GuardTerm(4.0)), *tail_case()) == "free"
+    assert pick(model(**heavy, guard=GuardTerm(5.0)), *tail_case()) == "cached"  # 6.5 < 2 + 5
     # under the tail threshold the guard does not apply, however far from the best
-    assert pick(model(compute_weight=1000.0, tail_ttft_s=7.0, tail_guard_s=1.0),
+    assert pick(model(replace(PLAIN, weight=1000.0), tail_ttft_s=7.0, guard=GuardTerm(1.0)),
                 *tail_case()) == "cached"  # fmt: skip
 
 
 def test_the_guard_loosens_as_more_workers_are_busy() -> None:
     """With most workers queued, a recompute elsewhere turns into queueing: the guard gives
     `tail_guard_busy_s` x busy share ** 4 more time past the best before it bites."""
-    heavy = dict(compute_weight=1000.0, tail_ttft_s=4.0, tail_guard_s=4.0, busy_power=4.0)
+    heavy = dict(compute=replace(PLAIN, weight=1000.0), tail_ttft_s=4.0, busy_power=4.0)
     request, views = tail_case()  # cached 6.5 s, free 2 s; one of two workers queued
     queued = [WorkerView(f"q{i}", queue_s=10.0) for i in range(6)]  # 7 of 8 queued
-    assert pick(model(**heavy), request, views + queued) == "free"  # 6.5 > 2 + 4
-    loose = model(**heavy, tail_guard_busy_s=4.0)
+    assert pick(model(**heavy, guard=GuardTerm(4.0)), request, views + queued) == "free"
+    loose = model(**heavy, guard=GuardTerm(4.0, busy_s=4.0))
     assert pick(loose, request, views + queued) == "cached"  # 6.5 < 2 + 4 + 4 x 0.59
     assert pick(loose, request, views) == "free"  # 6.5 > 2 + 4 + 4 x 0.06
 
@@ -82,7 +102,7 @@ def backlog_case() -> tuple[RouteRequest, list[WorkerView]]:
 
 
 def test_in_a_backlog_neither_tail_nor_guard_trades_the_prefix_for_a_shorter_queue() -> None:
-    knobs = dict(tail_ttft_s=4.0, tail_weight=8.0, tail_guard_s=4.0)
+    knobs = dict(tail_ttft_s=4.0, tail=TailTerm(8.0), guard=GuardTerm(4.0))
     # 20.5 + 16 x 0.5 s of recompute = 28.5 against 14 + 16 x 2 s = 46: it stays (before
     # the backlog rule, the tail term, 8 x (20.5 - 4) against 8 x (14 - 4), and the guard,
     # 20.5 > 14 + 4, both sent it to recompute on the shorter queue)
@@ -91,7 +111,7 @@ def test_in_a_backlog_neither_tail_nor_guard_trades_the_prefix_for_a_shorter_que
     request, views = backlog_case()
     views[1] = WorkerView("shorter", queue_s=1.0)
     assert pick(model(**knobs), request, views) == "shorter"
-    assert pick(model(tail_ttft_s=4.0, tail_guard_s=4.0, compute_weight=1000.0),
+    assert pick(model(replace(PLAIN, weight=1000.0), tail_ttft_s=4.0, guard=GuardTerm(4.0)),
                 request, views) == "shorter"  # fmt: skip
 
 
@@ -100,7 +120,7 @@ def test_a_worker_is_idle_only_when_its_own_last_report_shows_it_empty_too() -> 
     router has nothing booked on (2 s): at the idle weight the recompute costs 2 + 0.5 x 2."""
     request = RouteRequest("r", 2000, 125, block_size=16)
     cached = WorkerView("cached", matched_blocks=94, queue_s=3.0, requests=3)
-    knobs = dict(compute_weight=16.0, idle_weight=0.5)
+    knobs = dict(compute=replace(PLAIN, idle_weight=0.5))
     empty = WorkerView("free", stats=WorkerStats("free"))
     assert pick(model(**knobs), request, [cached, empty]) == "free"  # 3 < 3.5 + 16 x 0.5
     between = WorkerView("free", stats=WorkerStats("free", running=2))  # released since
@@ -116,12 +136,12 @@ def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
 
 
 def test_with_idle_workers_around_the_request_leaves_its_busy_cached_worker() -> None:
-    busy = model(busy_weight=3.0, busy_power=4.0)
+    busy = model(replace(PLAIN, busy_weight=3.0), busy_power=4.0)
     assert pick(busy, *busy_case(others_queue_s=0.0)) != "cached"
 
 
 def test_when_every_worker_is_busy_the_recompute_costs_more_and_it_stays() -> None:
-    busy = model(busy_weight=3.0, busy_power=4.0)
+    busy = model(replace(PLAIN, busy_weight=3.0), busy_power=4.0)
     assert pick(busy, *busy_case(others_queue_s=0.5)) == "cached"
     assert pick(model(), *busy_case(others_queue_s=0.5)) != "cached"  # the busy share decides
 
@@ -138,13 +158,13 @@ def affinity_case(queue_a: float, queue_b: float) -> tuple[RouteRequest, list[Wo
 
 def test_a_long_prefill_goes_where_fewer_requests_want_the_worker() -> None:
     case = affinity_case(queue_a=0.1, queue_b=0.6)
-    assert pick(model(affinity_weight=4.0), *case) == "b"
+    assert pick(model(affinity=AffinityTerm(4.0)), *case) == "b"
     assert pick(model(), *case) == "a"  # else: the shorter queue
 
 
 def test_with_no_busy_worker_the_affinity_harm_is_zero() -> None:
     request, views = affinity_case(queue_a=0.0, queue_b=0.0)
-    with_harm = model(affinity_weight=4.0).scores(request, views)
+    with_harm = model(affinity=AffinityTerm(4.0)).scores(request, views)
     assert with_harm == model().scores(request, views)
 
 
@@ -162,14 +182,14 @@ def demand_case(queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
 
 
 def demand_harm(request: RouteRequest, views: list[WorkerView]) -> list[float]:
-    with_demand = model(demand_weight=2.0).scores(request, views)
+    with_demand = model(demand=DemandTerm(2.0)).scores(request, views)
     return [d - p for d, p in zip(with_demand, model().scores(request, views), strict=True)]
 
 
 def test_a_long_prefill_goes_where_the_waiting_turns_hold_less() -> None:
     case = demand_case(queue_s=0.1)
-    assert pick(model(affinity_weight=4.0), *case) == "a"  # same arrival rate: shorter queue
-    assert pick(model(affinity_weight=4.0, demand_weight=2.0), *case) == "b"
+    assert pick(model(affinity=AffinityTerm(4.0)), *case) == "a"  # same arrival rate: shorter queue
+    assert pick(model(affinity=AffinityTerm(4.0), demand=DemandTerm(2.0)), *case) == "b"
 
 
 def test_the_demand_harm_is_the_recompute_at_risk_capped_by_the_wait() -> None:
@@ -184,3 +204,27 @@ def test_the_demand_harm_is_the_recompute_at_risk_capped_by_the_wait() -> None:
     assert demand_harm(short, views)[0] == pytest.approx(2.0 * (2 / 3) * 0.2 * 0.1)
     views[0].matched_blocks = 312  # all but one block cached on `a`: no prefill, no harm
     assert 0.0 < demand_harm(request, views)[0] < harm[0] / 1000
+
+
+def test_the_decode_term_adds_the_answers_decode_time_there() -> None:
+    """No prefix anywhere; one worker decodes a batch (a longer step). The decode term adds
+    `weight` x expected output x the step once the request joins, on each worker."""
+    request = RouteRequest("r", 1000, 62, expected_output=1000, block_size=16)
+    stats = WorkerStats("batch", running=8, decode_step_s=0.05)
+    views = [WorkerView("batch", stats=stats), WorkerView("free", stats=WorkerStats("free"))]
+    plain = model(compute=None).scores(request, views)
+    with_decode = model(compute=None, decode=DecodeTerm(0.25)).scores(request, views)
+    for view, without, scored in zip(views, plain, with_decode, strict=True):
+        assert scored - without == pytest.approx(0.25 * 1000 * view.estimate.joined_step_s)
+    assert with_decode[1] - plain[1] < with_decode[0] - plain[0]  # the batch steps slower
+
+
+def test_the_backlog_raises_the_compute_weight() -> None:
+    """1,000 tokens, half cached on a worker 10 s behind, none on one 4 s behind: every worker
+    has a wait (rho = 4 s), so recomputing adds to the backlog: with `backlog_weight` the
+    request stays with its prefix."""
+    request = RouteRequest("r", 1000, 62, block_size=16)
+    views = [WorkerView("cached", matched_blocks=31, queue_s=10.0), WorkerView("b", queue_s=4.0)]
+    assert pick(model(replace(PLAIN, weight=1.0)), request, views) == "b"
+    heavy = model(replace(PLAIN, weight=1.0, backlog_weight=4.0))
+    assert pick(heavy, request, views) == "cached"

@@ -8,38 +8,31 @@ the remaining prefill, worker `idle` holds nothing and waits for nothing.
 
 from __future__ import annotations
 
-from router.cost_config import CostConfig
-from router.cost_model import CostModel
-from router.policies import RouteRequest, WorkerView
+from router.cost_terms import ComputeTerm, CostTerms, scores
+from router.estimate import EstimateConfig, Estimator
+from router.views import RouteRequest, WorkerView
 
 SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s
 
 
-def model(long_ttft_s: float) -> CostModel:
-    return CostModel(
-        CostConfig(
-            prefill_tokens_per_s=SPEED,
-            attention_knee_tokens=0,
-            decode_weight=0.0,
-            compute_weight=16.0,
-            long_ttft_s=long_ttft_s,
-            long_power=2.0,
-            busy_weight=0.0,  # the knobs below are tested in test_cost_harms.py
-            tail_weight=0.0,
-            tail_guard_s=0.0,
-        )
-    )
+def model(long_ttft_s: float) -> CostTerms:
+    """The compute term alone (the others are tested in test_cost_harms.py)."""
+    compute = ComputeTerm(weight=16.0, busy_weight=0.0, long_ttft_s=long_ttft_s, long_power=2.0)
+    return CostTerms.only(compute=compute)
 
 
-def choice(cost_model: CostModel, tokens: int) -> str:
+def choice(terms: CostTerms, tokens: int) -> str:
     request = RouteRequest("r", tokens, tokens // 16)
     half_prefill_s = tokens / 2 / SPEED
     views = [
         WorkerView("cached", matched_blocks=tokens // 32, queue_s=5 * half_prefill_s),
         WorkerView("idle", requests=1),  # decoding: not idle, no queue
     ]
-    scores = cost_model.scores(request, views)
-    return views[scores.index(min(scores))].worker_id
+    estimator = Estimator(EstimateConfig(prefill_tokens_per_s=SPEED, attention_knee_tokens=0))
+    for view in views:
+        view.estimate = estimator.estimate(request, view)
+    scored = scores(terms, request, views)
+    return views[scored.index(min(scored))].worker_id
 
 
 def test_a_short_request_follows_its_cached_prefix_past_a_queue():

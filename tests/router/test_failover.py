@@ -135,10 +135,10 @@ def test_dead_worker_is_readded_when_it_answers_again(tokenizer):
         assert len(dead) == 1
         dead[0].dead = False
         deadline = time.monotonic() + 10
-        while dead[0].worker_id not in server.router.workers.backends:
+        while server.router.registry[dead[0].worker_id].state != "ready":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert server.router.workers.state(dead[0].worker_id) == "ready"
+        assert server.router.registry[dead[0].worker_id].state == "ready"
 
 
 def test_the_first_streamed_token_marks_its_booking_started(tokenizer):

@@ -1,10 +1,10 @@
-"""PrefixIndex: matching, optimistic entries, events, sequence gaps, bound, worker removal."""
+"""PrefixIndex: matching, optimistic entries, events, bound, worker removal."""
 
 from __future__ import annotations
 
 import pytest
 
-from mem_cache.events import HOST, AllCleared, BlockRemoved, BlockStored, EventBatch, block_hashes
+from mem_cache.events import HOST, AllCleared, BlockRemoved, BlockStored, block_hashes
 from router.prefix_index import IndexConfig, PrefixIndex
 
 
@@ -103,7 +103,7 @@ def test_remove_worker_leaves_no_trace(index: PrefixIndex) -> None:
     index.remove_worker("b")
     assert len(index) == 0
     assert index._store.masks == {"device": {}, "host": {}}
-    assert "b" not in index.workers() and index.cursor("b") is None
+    assert "b" not in index.workers()
     index.add_worker("d")  # reuses b's bit: must start empty
     assert index.match(PROMPT).device == {} and index.match(OTHER).device == {}
 
@@ -121,34 +121,6 @@ def test_memory_bound_evicts_least_recently_used(clock: Clock) -> None:
     assert all(index.holds("a", h) for h in PROMPT[:2] + PROMPT[5:])
 
 
-def batch(worker: str, epoch: int, seq: int, events: list) -> EventBatch:
-    return EventBatch(worker, epoch, seq, events)
-
-
-def test_apply_batch_needs_a_snapshot_first_and_detects_gaps(index: PrefixIndex) -> None:
-    assert not index.apply_batch(batch("a", 7, 1, [BlockStored(PROMPT[:2], None)]))
-    assert index.num_blocks("a") == 0
-    assert index.apply_batch(batch("a", 7, 1, [AllCleared(), BlockStored(PROMPT[:2], None)]))
-    assert index.cursor("a") == (7, 1)
-    assert index.apply_batch(batch("a", 7, 2, [BlockStored(PROMPT[2:4], None)]))
-    assert index.apply_batch(batch("a", 7, 2, [BlockRemoved(PROMPT)]))  # duplicate: ignored
-    assert index.num_blocks("a") == 4
-    assert not index.apply_batch(batch("a", 7, 4, [BlockRemoved(PROMPT)]))  # gap
-    assert not index.apply_batch(batch("a", 8, 3, [BlockRemoved(PROMPT)]))  # new epoch
-    assert index.num_blocks("a") == 4 and index.cursor("a") == (7, 2)
-
-
-def test_snapshot_replaces_state_and_stale_snapshot_is_ignored(index: PrefixIndex) -> None:
-    index.apply_batch(batch("a", 1, 5, [AllCleared(), BlockStored(PROMPT, None)]))
-    index.record_route("a", OTHER)
-    index.apply_batch(batch("a", 2, 0, [AllCleared(), BlockStored(PROMPT[:3], None)]))
-    assert index.match(PROMPT).device == {"a": 3} and index.match(OTHER).device == {}
-    assert index.apply_batch(batch("a", 2, 3, [AllCleared(), BlockStored(PROMPT, None)]))
-    assert index.apply_batch(batch("a", 2, 1, [AllCleared()]))  # older than the cursor
-    assert index.match(PROMPT).device == {"a": 10} and index.cursor("a") == (2, 3)
-
-
 def test_events_of_unknown_workers_are_ignored(index: PrefixIndex) -> None:
-    assert index.apply_batch(batch("zz", 0, 0, [AllCleared(), BlockStored(PROMPT, None)]))
     index.apply("zz", [BlockStored(PROMPT, None)])
     assert len(index) == 0

@@ -75,7 +75,7 @@ def test_pin_yields_to_draining_excluded_or_removed_worker() -> None:
     core = make_core(Clock())
     hashes = block_hashes(list(range(64)))
     pinned = core.route("t1", hashes, 64, 8, session_id="s").worker_id
-    core.set_draining(pinned, True)
+    core.registry.set_draining(pinned, True)
     moved = core.route("t2", hashes, 64, 8, session_id="s").worker_id
     assert moved != pinned and core.sessions.get("s") == moved
     other = core.route("t3", hashes, 64, 8, session_id="s", exclude={moved}).worker_id

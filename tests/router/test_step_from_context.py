@@ -13,10 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mem_cache.events import block_hashes
-from router.core import RoutingCore
-from router.cost_config import CostConfig
-from router.cost_model import CostModel
-from router.policies import PolicyConfig, make_policy
+from router.core import CoreConfig, RoutingCore
+from router.estimate import EstimateConfig, Estimator
 from worker.protocol import WorkerStats
 
 BASE_S, PER_TOKEN_S = 0.006, 5e-8  # a step of 6 ms + 50 ms per million context tokens
@@ -34,15 +32,15 @@ def report(worker_id: str, context: int, running: int = 4) -> WorkerStats:
 
 
 def core_with(contexts: dict[str, int], **cost: object) -> RoutingCore:
-    config = CostConfig(**{"step_from_context": True, **cost})  # type: ignore[arg-type]
-    core = RoutingCore(make_policy("cost", PolicyConfig(cost=config)))
+    config = EstimateConfig(**{"step_from_context": True, **cost})  # type: ignore[arg-type]
+    core = RoutingCore(config=CoreConfig(estimate=config))
     for worker_id, context in contexts.items():
         core.add_worker(worker_id, report(worker_id, context))
     return core
 
 
 def steps(core: RoutingCore) -> dict[str, float]:
-    return {v.worker_id: core.cost_model.speeds(v).step_s for v in core.workers()}
+    return {v.worker_id: core.estimator.speeds(v).step_s for v in core.workers()}
 
 
 @given(
@@ -53,7 +51,7 @@ def steps(core: RoutingCore) -> dict[str, float]:
 def test_the_fit_recovers_steps_that_grow_linearly_with_context(
     base: float, per_token: float, contexts: list[int]
 ) -> None:
-    model = CostModel(CostConfig(step_from_context=True))
+    model = Estimator(EstimateConfig(step_from_context=True))
     model.observe_fleet(
         WorkerStats(f"w{i}", running_decode_tokens=c, decode_step_s=base + per_token * c)
         for i, c in enumerate(contexts)
@@ -72,7 +70,7 @@ def test_the_fit_recovers_steps_that_grow_linearly_with_context(
 def test_the_fit_never_has_a_step_that_shrinks_with_context(
     points: list[tuple[int, float]],
 ) -> None:
-    model = CostModel(CostConfig(step_from_context=True))
+    model = Estimator(EstimateConfig(step_from_context=True))
     model.observe_fleet(
         WorkerStats(f"w{i}", running_decode_tokens=c, decode_step_s=s)
         for i, (c, s) in enumerate(points)

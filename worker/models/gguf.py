@@ -1,0 +1,136 @@
+"""Turn a Llama-family GGUF file (llama.cpp's format) into an HF model directory.
+
+The weights are dequantized with the `gguf` package's numpy dequantizers and written as float32
+safetensors under their HF names; the loader casts them to the dtype the engine asks for. The
+config, the tokenizer and its chat template come from the GGUF metadata through transformers'
+own GGUF readers (`AutoConfig` / `AutoTokenizer` with `gguf_file=`), so they are exactly what
+HF transformers makes of the same file. No HF model is built on the way: the tensors go from
+the GGUF straight to safetensors.
+
+llama.cpp stores the q and k projections of `llama` models with the rows of each head
+interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
+SHARD_BYTES = 2 << 30  # float32 shards of at most ~2 GiB, listed in model.safetensors.index.json
+
+# GGUF tensor name inside block N -> HF name inside `model.layers.N.`
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
+    """Write the HF directory of `gguf_file` into the existing folder `dest`.
+
+    ValueError for a GGUF of an architecture other than `ARCHITECTURES`.
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # heavy: here only
+
+    gguf_file, dest = Path(gguf_file), Path(dest)
+    reader = GGUFReader(gguf_file)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_file.name}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)}); use an HF model directory instead"
+        )
+    with tempfile.TemporaryDirectory(prefix="radixray-gguf-") as alone:
+        # transformers reads the folder too: tokenizer files beside the GGUF would override its
+        # metadata (and drop its chat template), so it sees the GGUF alone.
+        os.symlink(gguf_file.resolve(), Path(alone) / gguf_file.name)
+        config = AutoConfig.from_pretrained(alone, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file=gguf_file.name)
+    config.dtype = torch.float32
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(dest)
+    GenerationConfig.from_model_config(config).save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    tensors = hf_tensors(reader, config.num_attention_heads, config.num_key_value_heads)
+    _save_shards(tensors, dest)
+
+
+def hf_tensors(
+    reader: GGUFReader, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor of a `llama` GGUF, q/k rows in HF order."""
+    for t in reader.tensors:
+        array = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        name = _hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            array = _unpermute(array, num_heads)
+        elif name.endswith("k_proj.weight"):
+            array = _unpermute(array, num_kv_heads)
+        yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF")
+
+
+def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of a q or k projection (rows = heads x dim)."""
+    half = weight.shape[0] // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _save_shards(tensors: Iterator[tuple[str, torch.Tensor]], dest: Path) -> None:
+    """One `model.safetensors`, or shards of at most SHARD_BYTES and their index; a shard is
+    written as soon as it is full, so at most one shard is held in memory."""
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+    files: list[list[str]] = []  # the tensor names of each written shard
+
+    def flush() -> None:
+        files.append(list(shard))
+        save_file(shard, str(dest / f"model-{len(files):05d}.safetensors"), {"format": "pt"})
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shard[name] = tensor
+        size += nbytes
+    if not files:
+        save_file(shard, str(dest / "model.safetensors"), metadata={"format": "pt"})
+        return
+    flush()
+    weight_map = {
+        name: f"model-{i:05d}.safetensors" for i, names in enumerate(files, 1) for name in names
+    }
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
