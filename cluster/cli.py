@@ -76,6 +76,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="address the router listens on (default: %(default)s)")
     router.add_argument("--port", type=int, default=d["port"].default, metavar="PORT",
                         help="router port (default: %(default)s)")
+    router.add_argument("--routers", dest="router_replicas", type=int, metavar="N",
+                        default=d["router_replicas"].default,
+                        help="router replicas (Ray actors) answering on --host/--port; Ray "
+                        "restarts one that dies (default: %(default)s)")
     router.add_argument("--policy", default=d["policy"].default, choices=POLICY_NAMES,
                         metavar="NAME", help="routing policy: " + ", ".join(POLICY_NAMES)
                         + " (default: %(default)s)")
@@ -89,6 +93,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     ray_group.add_argument("--address", default=None, metavar="ADDR",
                            help="join this Ray cluster ('auto' on a node started with "
                            "`ray start`); default: start a local Ray")
+    ray_group.add_argument("--fleet-name", default=None, metavar="NAME",
+                           help="name of the actor that owns the workers (default: "
+                           "radixray-fleet); another name starts a second cluster on one Ray")
     ray_group.add_argument("--num-cpus", type=int, default=None, metavar="N",
                            help="CPUs of the local Ray (default: all)")
 

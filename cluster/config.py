@@ -53,6 +53,7 @@ class ClusterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"
+    router_replicas: int = 1  # router replicas (`--routers`), all answering on one address
     kv_tokens: int | None = None  # KV slots per worker; None: sized from free memory
     page_size: int = 1
     block_size: int = 16
@@ -64,7 +65,8 @@ class ClusterConfig:
     max_restarts: int = -1  # Ray restarts of a dead worker actor (-1: always)
     ready_timeout_s: float = 900.0  # how long a worker may take to load its model
     watch_interval_s: float = 1.0  # how often the launcher checks that workers are alive
-    namespace: str = "radixray"  # Ray namespace of the worker actors
+    namespace: str = "radixray"  # Ray namespace of the fleet and worker actors
+    fleet_name: str = "radixray-fleet"  # the fleet actor's name: routers find the workers by it
     cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
 
     def __post_init__(self) -> None:
@@ -74,6 +76,8 @@ class ClusterConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.workers is not None and self.workers < 0:
             raise ValueError("workers must be >= 0")
+        if self.router_replicas < 1:
+            raise ValueError("router_replicas must be >= 1")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         cpus = self.cpus_per_worker

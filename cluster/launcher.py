@@ -1,108 +1,101 @@
 """`Launcher`: one radixray cluster run from this process (what `radixray serve` does).
 
 1. Start a local Ray, or join one (`address="auto"` on a node of a running cluster).
-2. Reserve one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
-   cluster has them, else CPU workers), and start one `WorkerActor` per bundle. A local Ray
+2. Start the fleet (`cluster/fleet.py`): a detached, named actor that owns the workers. It
+   reserves one placement-group bundle per worker, SPREAD across the nodes (GPUs when the
+   cluster has them, else CPU workers), and starts one `WorkerActor` per bundle. A local Ray
    started here is fixed: bundles that do not fit fail at once, naming the missing resource,
    and CPU workers outnumbering its CPUs each reserve an equal share of them
    (`ClusterConfig.worker_cpus`). A joined Ray may grow (an autoscaler), so there a shortage is
-   reported every 15 s while the launcher waits (`cluster/placement.py`).
+   reported every 15 s while the fleet waits (`cluster/placement.py`).
 3. Wait, with a progress display, until every worker has loaded its model.
-4. Serve the router (uvicorn + `router.app.create_app` over Ray backends) in this process,
-   on the head node; watch the workers; add, drain and remove them live.
-5. On Ctrl-C / SIGTERM: stop the server, kill the workers, free the bundles, and stop the
-   local Ray if this process started it, so no Ray process is left behind.
-
-The router, the watcher and the admin calls share one asyncio loop in a background thread,
-so the main thread stays free for signals (and a test can run a launcher in-process).
+4. Start `router_replicas` router replicas (`cluster/router_actor.py`), Ray actors on this node that
+   answer on the same host:port: each joins the fleet's workers and follows the fleet's changes
+   (`cluster/router_link.py`); adding, draining and removing workers are asked of the fleet.
+   Ray restarts a replica that dies; the workers do not notice.
+5. On Ctrl-C / SIGTERM: stop the replicas, then stop the fleet explicitly (it kills the workers
+   and frees the bundles), and stop the local Ray if this process started it, so no Ray
+   process is left behind.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import ray
-import uvicorn
+from ray.exceptions import RayTaskError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
-from cluster.placement import Placement
-from cluster.router_link import build_router, join, pool_backends
-from cluster.worker_pool import Worker, WorkerPool
+from cluster.fleet import Member, create_fleet, stop_fleet
+from cluster.router_actor import RouterActor
 from worker.models.builtin import resolve_model
 
 log = logging.getLogger("radixray.cluster")
 
 
 class Launcher:
-    """Start with `start()` (returns when the router answers), stop with `stop()`."""
+    """Start with `start()` (returns when every router replica answers), stop with `stop()`."""
 
     def __init__(self, config: ClusterConfig, echo: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.echo = echo or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.pool: WorkerPool | None = None
-        self.app: Any = None
+        self.fleet: Any = None  # the fleet actor's handle
+        self.routers: list[Any] = []  # the router replicas' actor handles
         self._owns_ray = False
         self._local_ray = False  # a Ray this launcher started on this machine (cannot grow)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._server: uvicorn.Server | None = None
-        self._watch: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
         return self.config.url()
 
     def start(self) -> str:
-        """Bring the cluster up; returns the router's URL once it serves. On any failure (or
+        """Bring the cluster up; returns the routers' URL once they serve. On any failure (or
         Ctrl-C) everything started so far is stopped again and the error raised."""
         _check_port(self.config.host, self.config.port)
         t0 = time.monotonic()
         try:
             self._start_ray()
-            # Ray builds its serializer on first use and imports pydantic.v1 then. Done here,
-            # before the router's threads start, it cannot race their own pydantic imports
-            # (that race failed a CI run once: KeyError 'pydantic.v1' in placement_group.ready)
-            ray.put(None)
             gpus = ray.cluster_resources().get("GPU", 0.0)
             device = self.config.resolve_device(gpus)
             count = self.config.resolve_workers(device, gpus)
             model_dir = resolve_model(self.config.model)  # a built-in model is generated here
             self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
             bundle = self.config.bundle(device, self._worker_cpus(device, count))
-            placement = Placement(bundle, fixed=self._local_ray, notify=self.echo)
-            self.pool = WorkerPool(self.config, device, placement)
-            started: Future = Future()
-            self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(
-                target=self._run, args=(count, str(model_dir), started), name="radixray-router",
-                daemon=True,
-            )
-            self._thread.start()
-            started.result()
+            self.fleet = create_fleet(self.config, device, bundle, fixed=self._local_ray)
+            starting = self.fleet.start.remote(count)
+            self._start_routers(str(model_dir))  # they load while the workers load
+            self._wait_fleet(starting, count)
+            self._wait_routers()
         except BaseException:
             self.stop()
             raise
         self.echo(f"radixray: ready in {time.monotonic() - t0:.1f}s at {self.url}")
         return self.url
 
+    def workers(self) -> dict[str, Member]:
+        """The fleet's workers now, by id."""
+        _, members = ray.get(self.fleet.members.remote())
+        return {m.worker_id: m for m in members}
+
     def stop(self) -> None:
-        """Stop serving, kill every worker, free every bundle; stop Ray if we started it."""
-        if self._loop and self._thread and self._thread.is_alive():
-            # A failed start wakes us before its thread has closed the loop: it may be closing.
-            with contextlib.suppress(RuntimeError):
-                self._loop.call_soon_threadsafe(self._request_exit)
-            self._thread.join(timeout=30)
-        if self.pool:
-            self.pool.shutdown()
+        """Stop the routers, then the fleet (every worker, every bundle); stop Ray if we
+        started it."""
+        if ray.is_initialized():
+            for router in self.routers:
+                try:
+                    ray.get(router.stop.remote(), timeout=40)
+                except Exception as exc:  # noqa: BLE001 - dead already, or hung: killed below
+                    log.warning("stopping a router: %r", exc)
+                ray.kill(router, no_restart=True)
+            if self.fleet is not None:
+                stop_fleet(self.fleet)
+        self.routers, self.fleet = [], None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False
@@ -134,82 +127,68 @@ class Launcher:
                       f"reserves {cpus:g} CPU (--cpus-per-worker sets it)")
         return cpus
 
-    def _run(self, count: int, model_dir: str, started: Future) -> None:
-        assert self._loop is not None
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._serve(count, model_dir, started))
-        except BaseException as exc:  # the thread must report, never die silently
-            if isinstance(exc, SystemExit):  # uvicorn exits when it cannot start
-                exc = RuntimeError(f"the router could not listen on {self.url}")
-            if not started.done():
-                started.set_exception(exc)
-            else:
-                log.exception("router loop stopped")
-        finally:
-            self._loop.close()
-
-    async def _serve(self, count: int, model_dir: str, started: Future) -> None:
-        assert self.pool is not None
+    def _wait_fleet(self, starting: ray.ObjectRef, count: int) -> None:
+        """Wait for the fleet's start, showing each worker as it becomes ready; a failure of the
+        fleet (a `PlacementError`, a model that does not load) is raised as itself."""
         progress = _Progress(count, self.echo)
-        loop = asyncio.get_running_loop()
-        # The router (its tokenizer) loads in a thread while the workers load their models.
-        app = loop.run_in_executor(None, build_router, self.config, model_dir, self.pool)
-        beat = asyncio.create_task(progress.heartbeat(self.pool.placement))
+        version, shown = -1, set()
         try:
-            await self.pool.start(count, progress.update)
-        finally:
-            beat.cancel()
-        self.app = await app
-        uv = uvicorn.Config(
-            self.app, host=self.config.host, port=self.config.port,
-            log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
-        )
-        self._server = uvicorn.Server(uv)
-        serving = asyncio.create_task(self._server.serve())
-        while not self._server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if serving.done():
-            serving.result()
-            raise RuntimeError(f"the router could not listen on {self.url}")
-        await join(self.app, pool_backends(self.pool))
-        self._watch = asyncio.create_task(self.pool.watch())
-        started.set_result(None)
-        await serving
-        self._watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watch
+            while not ray.wait([starting], timeout=0)[0]:
+                version, members = ray.get(self.fleet.changes.remote(version, 1.0))
+                for m in members:
+                    if m.state == "ready" and m.worker_id not in shown:
+                        shown.add(m.worker_id)
+                        progress.update(m.worker_id)
+                progress.heartbeat(lambda: ray.get(self.fleet.placing.remote()))
+            ray.get(starting)
+        except RayTaskError as exc:
+            raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
 
-    def _request_exit(self) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        else:  # still loading workers: cancel everything on the loop
-            for task in asyncio.all_tasks(self._loop):
-                task.cancel()
+    def _start_routers(self, model_dir: str) -> None:
+        """`router_replicas` replicas on this node (they share its port); each serves once the
+        fleet has started."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        options = _RemoteRouter.options(
+            num_cpus=0,  # a router waits on I/O; CPUs go to the workers
+            max_restarts=-1,  # Ray restarts a replica that dies; it rejoins the fleet
+            max_concurrency=4,  # `ready` waits while `stop` may come
+            scheduling_strategy=here,
+        )
+        count = self.config.router_replicas
+        self.routers = [options.remote(self.config, model_dir) for _ in range(count)]
+
+    def _wait_routers(self) -> None:
+        try:
+            ray.get([r.ready.remote() for r in self.routers])
+        except RayTaskError as exc:
+            raise (exc.cause if isinstance(exc.cause, Exception) else exc) from None
 
 
 class _Progress:
     """One line per worker as it becomes ready (`[1/2] worker-0 ready (4.1s)`), and a
     heartbeat line while they load."""
 
-    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
-        self.total, self.done, self.echo = total, 0, echo
-        self.t0 = time.monotonic()
+    def __init__(self, total: int, echo: Callable[[str], None], every_s: float = 15.0) -> None:
+        self.total, self.done, self.echo, self.every_s = total, 0, echo, every_s
+        self.t0 = self.beat = time.monotonic()
         echo(f"radixray: loading the model on {total} worker(s)...")
 
-    def update(self, worker: Worker) -> None:
+    def update(self, worker_id: str) -> None:
         self.done += 1
         elapsed = time.monotonic() - self.t0
-        self.echo(f"  [{self.done}/{self.total}] {worker.worker_id} ready ({elapsed:.1f}s)")
+        self.echo(f"  [{self.done}/{self.total}] {worker_id} ready ({elapsed:.1f}s)")
 
-    async def heartbeat(self, placement: Placement, every_s: float = 15.0) -> None:
-        """A line now and then while big models load, so a slow start never looks hung; none
-        while Ray places the workers (the placement says what it waits for)."""
-        while True:
-            await asyncio.sleep(every_s)
-            if not placement.waiting:
-                elapsed = time.monotonic() - self.t0
-                self.echo(f"  ... {self.done}/{self.total} ready after {elapsed:.0f}s")
+    def heartbeat(self, placing: Callable[[], bool]) -> None:
+        """A line every `every_s` while big models load, so a slow start never looks hung;
+        none while Ray places the workers (the placement says what it waits for)."""
+        now = time.monotonic()
+        if now - self.beat >= self.every_s:
+            self.beat = now
+            if not placing():
+                self.echo(f"  ... {self.done}/{self.total} ready after {now - self.t0:.0f}s")
+
+
+_RemoteRouter = ray.remote(RouterActor)
 
 
 def _check_port(host: str, port: int) -> None:

@@ -1,18 +1,12 @@
 """The worker actors of one cluster: create, wait for, watch, add and remove them.
 
 Each worker is one `WorkerActor` in one placement-group bundle (`cluster/placement.py`). The
-router learns of workers from `cluster/router_link.py` (the pool's workers become its backends;
-the pool is its `WorkerControl` for adding and removing), and of deaths from the pool's
-watcher through a `RouterLink`:
+pool lives in the fleet actor (`cluster/fleet.py`), which tells routers of every change; the
+pool calls `on_change()` whenever a worker is added, becomes ready, is removed, is found dead
+by the watcher, or answers again after Ray restarted it (a restarted actor is a new engine
+with an empty cache and a new event epoch, so routers re-add it from its snapshot).
 
-- `mark_dead(id)` when the watcher finds an actor dead: the router stops routing to it and
-  purges its index entries at once (its in-flight requests fail over on their own). Ray
-  restarts the actor (`max_restarts`); the router probes dead workers and re-adds one that
-  answers again, fetching its snapshot: a restarted actor is a new engine with an empty cache
-  and a new event epoch, so it rejoins empty;
-- `detach(id)` when a worker is removed for good.
-
-All methods run on the router's event loop, so the link needs no locking.
+All methods run on the fleet actor's event loop, so the pool needs no locking.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -36,13 +30,6 @@ from worker.engine import EngineConfig
 log = logging.getLogger("radixray.cluster")
 
 PING_TIMEOUT_S = 30.0  # a loaded worker answers `ready` at once, even while it computes
-
-
-class RouterLink(Protocol):
-    """What the pool tells the router (`router.workers.WorkerSync` has both)."""
-
-    def mark_dead(self, worker_id: str) -> None: ...
-    def detach(self, worker_id: str) -> None: ...
 
 
 @dataclass
@@ -75,13 +62,19 @@ def engine_config(config: ClusterConfig, device: str) -> EngineConfig:
 class WorkerPool:
     """Owns the worker actors; the only place that creates or kills them."""
 
-    def __init__(self, config: ClusterConfig, device: str, placement: Placement) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        device: str,
+        placement: Placement,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
         self.config = config
         self.engine = engine_config(config, device)
         self.device = device
         self.placement = placement
         self.workers: dict[str, Worker] = {}
-        self.link: RouterLink | None = None
+        self.on_change = on_change
         self._next_index = 0
         # Actor names are unique per pool: a Serve rollout runs an old and a new pool at once.
         self.pool_id = uuid.uuid4().hex[:8]
@@ -112,17 +105,16 @@ class WorkerPool:
     async def remove(self, worker_id: str) -> None:
         """Remove the worker now: the router forgets it, the actor is killed, its bundle freed.
 
-        Requests still running on it fail over to other workers (the router's job)."""
+        Requests still running on it fail over to other workers (the routers' job)."""
         worker = self.workers.pop(worker_id, None)
         if worker is None:
             raise KeyError(worker_id)
-        if self.link:
-            self.link.detach(worker_id)
+        self.on_change()  # routers stop routing to it before it dies
         ray.kill(worker.actor, no_restart=True)
         self.placement.release(worker.slot)
 
     async def watch(self) -> None:
-        """Forever: ping every worker; a dead one is reported to the router at once."""
+        """Forever: ping every worker; a dead one is reported to the routers at once."""
         while True:
             await asyncio.gather(*(self._check(w) for w in list(self.workers.values())))
             await asyncio.sleep(self.config.watch_interval_s)
@@ -149,6 +141,7 @@ class WorkerPool:
         ).remote(self.engine, worker_id)
         worker = Worker(worker_id, actor, slot)
         self.workers[worker_id] = worker
+        self.on_change()
         return worker
 
     async def _wait_ready(
@@ -161,6 +154,7 @@ class WorkerPool:
                 raise RuntimeError(f"{worker.worker_id} failed to load its model: {exc}") from exc
             worker.state = "ready"
             worker.started = time.monotonic()
+            self.on_change()
             if progress:
                 progress(worker)
 
@@ -177,13 +171,12 @@ class WorkerPool:
             if worker.state != "down" and worker.worker_id in self.workers:
                 log.warning("%s died (%s); Ray restarts it", worker.worker_id, type(exc).__name__)
                 worker.state = "down"
-                if self.link:
-                    self.link.mark_dead(worker.worker_id)
+                self.on_change()
             return
         if worker.state == "down" and worker.worker_id in self.workers:
-            # The router notices on its own (it probes dead workers) and re-adds it.
             log.warning("%s is back (restarted, empty cache)", worker.worker_id)
             worker.restarts += 1
             worker.state = "ready"
             worker.started = time.monotonic()
+            self.on_change()
 

@@ -15,8 +15,9 @@ import ray
 
 from cluster.cli import main as cli_main
 from cluster.config import ClusterConfig
+from cluster.fleet import create_fleet, stop_fleet
 from cluster.launcher import Launcher
-from cluster.router_link import pool_backends, router_config
+from cluster.router_link import member_backends, router_config
 from router.app import create_app
 from worker.models.builtin import resolve_model
 
@@ -78,7 +79,7 @@ def test_each_prefix_sticks_to_one_worker_and_both_workers_are_used(client):
 
 
 def test_chat_and_completions_stream_and_not(client, cluster):
-    workers = set(cluster.pool.workers)
+    workers = set(cluster.workers())
     resp, worker = chat(client, "Hello there!", max_tokens=6, extra_body={"ignore_eos": True})
     assert worker in workers
     assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 6
@@ -150,7 +151,7 @@ def test_a_new_router_rebuilds_its_index_from_worker_snapshots(client, cluster):
     # A second router over the same workers, as after a router restart: it knows nothing until
     # it joins them and applies their snapshots; then it routes the prompt to its holder.
     config = router_config(cluster.config, str(resolve_model("tiny")))
-    app = create_app(config, pool_backends(cluster.pool))
+    app = create_app(config, member_backends(list(cluster.workers().values())))
     body = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 4, "temperature": 0}
 
@@ -170,23 +171,23 @@ def test_a_new_router_rebuilds_its_index_from_worker_snapshots(client, cluster):
 def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
     url = cluster.url
     assert cli_main(["workers", "add", "--url", url]) == 0
-    added = [w for w in cluster.pool.workers if w not in ("worker-0", "worker-1")]
+    added = [w for w in cluster.workers() if w not in ("worker-0", "worker-1")]
     assert len(added) == 1
     helpers.wait_for(lambda: any(r["id"] == added[0] and r["state"] == "ready"
                                  for r in helpers.workers_json(url)), 60, "the new worker")
     # The new worker takes load: a burst of distinct prompts spreads over all three.
     with cf.ThreadPoolExecutor(6) as pool:
         used = {w for _, w in pool.map(lambda i: chat(client, long_text(40 + i)), range(6))}
-    assert used <= set(cluster.pool.workers)
+    assert used <= set(cluster.workers())
 
     assert cli_main(["workers", "drain", added[0], "--url", url]) == 0
-    assert added[0] not in cluster.pool.workers
+    assert added[0] not in cluster.workers()
     assert added[0] not in {r["id"] for r in helpers.workers_json(url)}
 
     assert cli_main(["workers", "add", "--url", url, "--count", "1"]) == 0
-    [again] = [w for w in cluster.pool.workers if w not in ("worker-0", "worker-1")]
+    [again] = [w for w in cluster.workers() if w not in ("worker-0", "worker-1")]
     assert cli_main(["workers", "remove", again, "--url", url]) == 0
-    assert sorted(cluster.pool.workers) == ["worker-0", "worker-1"]
+    assert sorted(cluster.workers()) == ["worker-0", "worker-1"]
     assert cli_main(["workers", "remove", "worker-9", "--url", url]) == 1
     assert "404" in capsys.readouterr().err
     # The same requests still work on the remaining two.
@@ -194,19 +195,23 @@ def test_live_add_drain_and_remove(client, cluster, helpers, capsys):
     assert worker in ("worker-0", "worker-1")
 
     # Removing a worker of the initial placement group frees its bundle for the next one added.
-    groups = list(cluster.pool.placement._groups)
+    groups = ray.get(cluster.fleet.groups.remote())
     assert cli_main(["workers", "remove", "worker-1", "--url", url]) == 0
     assert cli_main(["workers", "add", "--url", url]) == 0
-    [newest] = [w for w in cluster.pool.workers.values() if w.worker_id != "worker-0"]
-    assert not newest.slot.owned and cluster.pool.placement._groups == groups
+    [newest] = [w for w in cluster.workers().values() if w.worker_id != "worker-0"]
+    assert not newest.slot.owned and ray.get(cluster.fleet.groups.remote()) == groups
     _, worker = chat(client, "served by the replacement too?")
-    assert worker in cluster.pool.workers
+    assert worker in cluster.workers()
 
 
-def test_a_worker_that_cannot_load_is_refused_and_leaves_nothing(client, cluster, capsys,
-                                                                  monkeypatch):
-    before = (sorted(cluster.pool.workers), list(cluster.pool.placement._groups))
-    monkeypatch.setattr(cluster.pool.engine, "model", "/nonexistent/model")
-    assert cli_main(["workers", "add", "--url", cluster.url]) == 1
-    assert "503" in capsys.readouterr().err
-    assert (sorted(cluster.pool.workers), list(cluster.pool.placement._groups)) == before
+def test_a_worker_that_cannot_load_is_refused_and_leaves_nothing(cluster):
+    config = ClusterConfig(model="/nonexistent/model", fleet_name="radixray-fleet-bad",
+                           ready_timeout_s=120)
+    fleet = create_fleet(config, "cpu", {"CPU": 0.01}, fixed=False)
+    try:
+        ray.get(fleet.start.remote(0))
+        with pytest.raises(RuntimeError, match="worker-0 failed to load its model"):
+            ray.get(fleet.add.remote(1))
+        assert ray.get(fleet.members.remote())[1] == [] and ray.get(fleet.groups.remote()) == 0
+    finally:
+        stop_fleet(fleet)

@@ -1,5 +1,5 @@
-"""Failure handling on a real local Ray: a worker process killed under streaming load, and the
-router as a Ray Serve application."""
+"""Failure handling on a real local Ray: a worker process killed under streaming load (the
+router's own death is in test_cluster_fleet.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import concurrent.futures as cf
 import openai
 import pytest
 import ray
-from ray import serve
 
 from cluster.config import ClusterConfig
 from cluster.launcher import Launcher
-from cluster.serve_app import build_app
 
 pytestmark = pytest.mark.ray
 
@@ -52,7 +50,7 @@ async def stream_one(client: openai.AsyncOpenAI, i: int, started: asyncio.Event,
     return text, finish, usage
 
 
-async def run_and_kill(url: str, pool, n: int) -> tuple[list, dict, str]:
+async def run_and_kill(url: str, workers: dict, n: int) -> tuple[list, dict, str]:
     """Start `n` streams, kill the worker serving most of them mid-stream, finish them all."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     events = [asyncio.Event() for _ in range(n)]
@@ -60,14 +58,14 @@ async def run_and_kill(url: str, pool, n: int) -> tuple[list, dict, str]:
     tasks = [asyncio.create_task(stream_one(client, i, events[i], log)) for i in range(n)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
     victim = max(set(log.values()), key=list(log.values()).count)
-    ray.kill(pool.workers[victim].actor, no_restart=False)  # Ray restarts it
+    ray.kill(workers[victim].actor, no_restart=False)  # Ray restarts it
     results = await asyncio.wait_for(asyncio.gather(*tasks), 300)
     await client.close()
     return results, log, victim
 
 
 def test_worker_killed_under_streaming_load(cluster, helpers):
-    results, log, victim = asyncio.run(run_and_kill(cluster.url, cluster.pool, 6))
+    results, log, victim = asyncio.run(run_and_kill(cluster.url, cluster.workers(), 6))
     assert victim in log.values()
     for _text, finish, usage in results:  # every stream completed in full, none failed
         assert finish == "length"
@@ -79,7 +77,7 @@ def test_worker_killed_under_streaming_load(cluster, helpers):
         return rows.get(victim, {}).get("state") == "ready"
 
     helpers.wait_for(back, 120, f"{victim} to come back")
-    helpers.wait_for(lambda: cluster.pool.workers[victim].restarts >= 1, 30, "the watcher")
+    helpers.wait_for(lambda: cluster.workers()[victim].restarts >= 1, 30, "the watcher")
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
 
     def one(i: int) -> str:
@@ -97,22 +95,3 @@ def test_worker_killed_under_streaming_load(cluster, helpers):
                 break
     assert victim in served
     helpers.assert_idle_accounting(cluster.url)
-
-
-def test_serve_app_answers_a_chat_request(cluster, helpers):
-    port = helpers.free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    try:
-        serve.run(build_app({"workers": 1, "kv_tokens": 4096, "port": 1}),
-                  name="radixray", route_prefix="/")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                               max_retries=0)
-        raw = client.chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "Hello from Serve"}],
-            max_tokens=4, extra_body={"ignore_eos": True},
-        )
-        assert raw.parse().usage.completion_tokens == 4
-        assert raw.headers["x-radixray-worker"].startswith("worker-")
-        helpers.assert_idle_accounting(f"http://127.0.0.1:{port}")
-    finally:
-        serve.shutdown()

@@ -67,7 +67,7 @@ async def load_and_kill_node(url: str, ray_cluster, nodes, launcher, n: int):
     log: dict[int, str] = {}
     tasks = [asyncio.create_task(stream_one(client, i, events[i], log)) for i in range(n)]
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 180)
-    by_node = {node_of(w): wid for wid, w in launcher.pool.workers.items()}
+    by_node = {node_of(w): wid for wid, w in launcher.workers().items()}
     busy = [node for node in nodes if by_node.get(node.node_id) in log.values()]
     victim = (busy or nodes)[0]
     ray_cluster.remove_node(victim, allow_graceful=False)
@@ -78,7 +78,7 @@ async def load_and_kill_node(url: str, ray_cluster, nodes, launcher, n: int):
 
 def test_spread_puts_one_worker_per_node(three_nodes):
     _, _, launcher = three_nodes
-    assert len({node_of(w) for w in launcher.pool.workers.values()}) == 3
+    assert len({node_of(w) for w in launcher.workers().values()}) == 3
 
 
 def test_node_killed_during_load_every_request_completes(three_nodes, helpers):

@@ -49,8 +49,8 @@ def test_three_workers_on_a_two_cpu_local_ray_all_serve(helpers, capsys):
     try:
         url = launcher.start()
         assert any("each reserves 0.6666 CPU" in line for line in lines), lines
-        assert sorted(launcher.pool.workers) == ["worker-0", "worker-1", "worker-2"]
-        for worker in launcher.pool.workers.values():
+        assert sorted(launcher.workers()) == ["worker-0", "worker-1", "worker-2"]
+        for worker in launcher.workers().values():
             assert worker.slot.group.bundle_specs[worker.slot.bundle_index] == {"CPU": 0.6666}
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -61,7 +61,7 @@ def test_three_workers_on_a_two_cpu_local_ray_all_serve(helpers, capsys):
                 max_tokens=4, temperature=0)
             assert raw.parse().choices[0].finish_reason in ("stop", "length")
             served.add(raw.headers["x-radixray-worker"])
-        assert served == set(launcher.pool.workers)
+        assert served == set(launcher.workers())
         helpers.assert_idle_accounting(url)
 
         # A fourth worker does not fit (0.0002 CPU free): said within seconds, not in 900 s.
@@ -71,7 +71,7 @@ def test_three_workers_on_a_two_cpu_local_ray_all_serve(helpers, capsys):
         assert time.monotonic() - t0 < 30
         assert "CPU: 1 x 0.6666 = 0.6666 requested, 0.0002 free of 2" in err, err
         assert "NO_RESOURCES" in err and "cannot grow" in err
-        assert len(launcher.pool.workers) == 3 and len(launcher.pool.placement._groups) == 1
+        assert len(launcher.workers()) == 3 and ray.get(launcher.fleet.groups.remote()) == 1
 
         # GPUs on this CPU-only Ray: infeasible, named. Fixed: at once; may grow: a notice,
         # then the timeout's error; either way the pending group is removed.
@@ -88,7 +88,7 @@ def test_three_workers_on_a_two_cpu_local_ray_all_serve(helpers, capsys):
 
         raw = client.chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": "still serving?"}], max_tokens=4)
-        assert raw.headers["x-radixray-worker"] in launcher.pool.workers
+        assert raw.headers["x-radixray-worker"] in launcher.workers()
     finally:
         launcher.stop()
     assert not ray.is_initialized()

@@ -1,0 +1,158 @@
+"""Several router replicas in front of one fleet, on a real local Ray: `radixray serve --routers 2`
+(two `RouterActor`s on one port). A session's turns keep their worker whichever replica gets
+them; a replica killed with SIGKILL under streaming load takes only its own requests with it,
+the workers survive, and Ray restarts it with its index rebuilt."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+import ray
+from ray._private.state import actors
+
+from cluster.config import ClusterConfig
+from cluster.launcher import Launcher
+
+pytestmark = pytest.mark.ray
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def cluster(helpers):
+    ray.init(num_cpus=4, include_dashboard=False)
+    config = ClusterConfig(model="tiny", port=helpers.free_port(), kv_tokens=8192, workers=2,
+                           router_replicas=2,
+                           fleet_name="radixray-fleet-routers")
+    launcher = Launcher(config)
+    try:
+        launcher.start()
+        yield launcher
+    finally:
+        launcher.stop()
+        ray.shutdown()
+
+
+def replicas(launcher: Launcher) -> list[dict]:
+    """Per replica: its pid and its own port."""
+    return ray.get([r.ready.remote() for r in launcher.routers])
+
+
+def worker_pids(launcher: Launcher) -> dict[str, int]:
+    return {wid: actors(m.actor._actor_id.hex())["Pid"] for wid, m in launcher.workers().items()}
+
+
+def chat(url: str, messages: list[dict], session: str | None = None) -> tuple[httpx.Response, str]:
+    headers = {"X-Session-ID": session} if session else {}
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response, response.json()["choices"][0]["message"]["content"]
+
+
+def test_replicas_are_router_actors_sharing_one_port(cluster):
+    rows = replicas(cluster)
+    assert len({r["pid"] for r in rows}) == 2
+    for row in rows:
+        with open(f"/proc/{row['pid']}/cmdline", "rb") as f:
+            assert b"Router" in f.read()
+    # New connections to the shared port reach both replicas.
+    seen = set()
+    for _ in range(40):
+        with httpx.Client() as client:  # a new connection each time
+            seen.add(client.get(cluster.url + "/health", timeout=30).headers["x-radixray-router"])
+        if len(seen) == 2:
+            break
+    assert seen == {str(r["pid"]) for r in rows}
+
+
+def test_a_sessions_turns_keep_their_worker_across_replicas(cluster):
+    ports = [r["port"] for r in replicas(cluster)]
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    messages = [{"role": "user", "content": "Tell me about the sea and its long tides. " * 8}]
+    served = []
+    for turn in range(4):
+        url = f"http://127.0.0.1:{ports[turn % 2]}"
+        response, text = chat(url, messages, session)
+        assert response.headers["x-radixray-router"] == str(replicas(cluster)[turn % 2]["pid"])
+        served.append(response.headers["x-radixray-worker"])
+        if turn > 0:  # the session's KV stayed on its worker: later turns reuse it
+            assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": f"And turn {turn}?"}]
+    assert len(set(served)) == 1, served
+    httpx.delete(f"http://127.0.0.1:{ports[0]}/v1/sessions/{session}", timeout=30)
+
+
+async def stream(url: str, i: int, started: asyncio.Event):
+    """One streaming completion: (finish_reason, completion tokens)."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    try:
+        response = await client.completions.create(
+            model="tiny", prompt=f"replica load {i} " * 20, max_tokens=MAX_TOKENS,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish, usage = None, None
+        async for chunk in response:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+            started.set()
+        return finish, usage.completion_tokens if usage else 0
+    finally:
+        await client.close()
+
+
+async def load_and_kill(victim: dict, live: dict, n: int) -> list:
+    """`n` streams to each replica's own port; SIGKILL `victim` once all have started."""
+    urls = [f"http://127.0.0.1:{r['port']}" for r in (victim, live)]
+    events = [asyncio.Event() for _ in range(2 * n)]
+    tasks = [asyncio.create_task(stream(urls[i % 2], i, events[i])) for i in range(2 * n)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 180)
+    os.kill(victim["pid"], signal.SIGKILL)
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 300)
+
+
+def test_a_replica_killed_under_streaming_load(cluster, helpers):
+    # Long enough that its cached prefix outweighs any difference in the workers' measured
+    # speeds (they vary a lot on a loaded machine), so the cost policy picks its holder.
+    warm = [{"role": "user", "content": "A warm prompt both replicas know. " * 60}]
+    holder = chat(cluster.url, warm)[0].headers["x-radixray-worker"]
+    pids_before = worker_pids(cluster)
+    victim, live = replicas(cluster)
+
+    results = asyncio.run(load_and_kill(victim, live, 4))
+    killed = time.monotonic()
+    for result in results[1::2]:  # every stream on the live replica completed in full
+        assert result == ("length", MAX_TOKENS)
+    assert worker_pids(cluster) == pids_before  # no worker died with the router
+
+    # The shared port keeps answering (the live replica), and Ray restarts the victim, which
+    # rejoins the fleet and finds the warm prompt's holder from the workers' snapshots.
+    chat(cluster.url, [{"role": "user", "content": "anyone there?"}])
+
+    def restarted_replica() -> dict | None:
+        try:
+            rows = replicas(cluster)
+        except ray.exceptions.RayActorError:  # still restarting
+            return None
+        new = [r for r in rows if r["pid"] not in (victim["pid"], live["pid"])]
+        return new[0] if new else None
+
+    restarted = helpers.wait_for(restarted_replica, 120, "Ray to restart the replica", 1.0)
+    print(f"the killed replica served again {time.monotonic() - killed:.1f}s after the kill")
+    # The dead replica's requests end on the workers too (nothing leaks); at idle, the cost of
+    # the warm prompt is its uncached prefill alone, so the holder is the cheapest worker.
+    helpers.assert_idle_accounting(cluster.url)
+    response, _ = chat(f"http://127.0.0.1:{restarted['port']}", warm)
+    assert response.headers["x-radixray-worker"] == holder
+    assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    helpers.assert_idle_accounting(cluster.url)
