@@ -30,7 +30,7 @@ class EngineConfig:
     model: str = "tiny"  # built-in name or HF model directory
     device: str = "cpu"
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: the checkpoint's
-    attention: str = "torch"  # "torch" | "triton" | "flashinfer"
+    attention: str = "native"  # "native" | "torch" (reference) | "triton" | "flashinfer"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
     page_size: int = 1
     block_size: int = 16  # tokens per block hash (KV events), as the router uses

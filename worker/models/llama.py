@@ -56,18 +56,18 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         batch: AttentionBatch,
         kv_pool: KVPool,
     ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` is the (cos, sin) of the tokens' positions."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, k, *rope)
         out = self.backend.forward(q, k, v, self.layer, batch, kv_pool)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -96,8 +96,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, batch, kv_pool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch, kv_pool)
+    def forward(self, x, rope, batch, kv_pool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, batch, kv_pool)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,18 +132,21 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_pool: KVPool,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] of the new tokens -> float32 logits [S, vocab] of the
-        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last).
+        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last;
+        None: every row).
 
         Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`.
         """
-        rope = self._rope(input_ids.device)
         x = self.embed_tokens(input_ids)
+        rope = self._rope(input_ids.device).cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, rope, batch, kv_pool)
-        x = self.norm(x[logits_indices])
+            x = layer(x, rope, batch, kv_pool)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
         return self.lm_head(x).to(torch.float32)
 
     def _rope(self, device: torch.device) -> RotaryEmbedding:
