@@ -14,6 +14,7 @@ import torch
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
+from worker.compiled import compile_model
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner
@@ -43,6 +44,9 @@ class EngineConfig:
     host_policy: str = "write_through"  # | "write_through_selective" | "write_back"
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
+    # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
+    # default: compiling takes a minute or more on a small CPU and gains little in float32
+    compile: bool = False
 
     def validate(self) -> None:
         """ValueError naming the first knob out of range."""
@@ -66,6 +70,8 @@ class Engine:
         self.device = torch.device(config.device)
         self.runner = ModelRunner(config.model, self.device, config.dtype, config.attention)
         self.model = self.runner.model
+        if config.compile:
+            compile_model(self.model)
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)
