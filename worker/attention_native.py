@@ -109,9 +109,7 @@ class _NativePlan:
         mask = (torch.arange(kmax, device=device)[None, :] < lens[:, None])[:, None, None, :]
         all_decode = not prefills
         decode_rows = None if all_decode else torch.tensor(rows, device=device)
-        return _NativePlan(
-            all_decode, decode_rows, head_index, mask, kmax, num_kv_heads, prefills
-        )
+        return _NativePlan(all_decode, decode_rows, head_index, mask, kmax, num_kv_heads, prefills)
 
 
 def _prefill(
