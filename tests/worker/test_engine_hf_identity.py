@@ -53,7 +53,8 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
 
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], max_new: int, tag: str):
-    sp = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    # min_tokens bans EOS until max_tokens, as HF's min_new_tokens does
+    sp = SamplingParams(max_tokens=max_new, min_tokens=max_new, temperature=0.0)
     reqs = [GenerateRequest(f"{tag}-{i}", p, sp) for i, p in enumerate(prompts)]
     out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
     s = engine.stats()
