@@ -69,16 +69,30 @@ def bench_ttft(engine: Engine, lengths: list[int], runs: int, vocab: int) -> dic
     return results
 
 
-def engine_throughput(engine: Engine, prompts: list[list[int]], out_len: int, tag: str) -> float:
+def engine_throughput(
+    engine: Engine, prompts: list[list[int]], out_len: int, tag: str
+) -> tuple[float, float]:
+    """Output tokens/s of all `prompts` run concurrently, and the median inter-token latency
+    (seconds between a request's consecutive tokens, over every request)."""
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         engine.add_request(GenerateRequest(f"{tag}-{i}", p, sp))
     produced = 0
+    last: dict[str, float] = {}
+    gaps: list[float] = []
     while engine.has_work():
-        produced += sum(len(c.token_ids) for c in engine.step())
+        chunks = engine.step()
+        now = time.perf_counter()
+        for c in chunks:
+            if not c.token_ids:
+                continue
+            produced += len(c.token_ids)
+            if c.request_id in last:
+                gaps.append((now - last[c.request_id]) / len(c.token_ids))
+            last[c.request_id] = now
     assert produced == len(prompts) * out_len
-    return produced / (time.perf_counter() - start)
+    return produced / (time.perf_counter() - start), statistics.median(gaps)
 
 
 def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
@@ -104,13 +118,14 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = {}
     for n in args.concurrency:
-        ours, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], []
+        ours, itl, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], [], []
         for run in range(args.runs):
             prompts = [
                 random_prompt(args.prompt_len, 7_000 + 100 * run + i, vocab) for i in range(n)
             ]
             # measured back to back, so each run's ratios see about the same machine load
-            o = engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}")
+            o, gap = engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}")
+            itl.append(gap)
             b = hf_throughput(hf, prompts, args.output_len)
             one = [hf_throughput(hf, [p], args.output_len) for p in prompts[:2]]  # one at a time
             s = len(one) / sum(1 / x for x in one)
@@ -125,13 +140,15 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
         med = statistics.median
         results[n] = {
             "engine_tok_s": med(ours),
+            "engine_itl_p50_s": med(itl),
             "hf_batched_tok_s": med(hf_batch),
             "hf_sequential_tok_s": med(hf_seq),
             "vs_hf_sequential": med(vs_seq),
             "vs_hf_batched": med(vs_batch),
         }
         print(
-            f"{n:>3} concurrent: engine {med(ours):7.1f} tok/s | HF one at a time "
+            f"{n:>3} concurrent: engine {med(ours):7.1f} tok/s, ITL p50 {med(itl) * 1e3:6.1f} ms"
+            f" | HF one at a time "
             f"{med(hf_seq):7.1f} tok/s, engine/HF {med(vs_seq):.2f}x | HF static batch "
             f"{med(hf_batch):7.1f} tok/s, engine/HF {med(vs_batch):.2f}x | runs {args.runs} "
             "(ratios: median of per-run ratios)",
@@ -150,6 +167,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefill-budget", type=int, default=512)
+    parser.add_argument("--attention", default="native", help="attention backend")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
     # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
     # cores and a step can get 10x slower; --threads 0 keeps torch's default
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
@@ -162,13 +181,16 @@ def main() -> None:
         device=args.device,
         kv_tokens=65536,
         prefill_budget=args.prefill_budget,
+        attention=args.attention,
+        compile=args.compile,
         seed=0,
     )
     engine = Engine(config)
     vocab = engine.model.config.vocab_size
     print(
         f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
-        f"prefill budget {args.prefill_budget}",
+        f"prefill budget {args.prefill_budget}, attention {args.attention}, "
+        f"compile {args.compile}",
         flush=True,
     )
     ttft(engine, "warmup", random_prompt(64, 0, vocab))

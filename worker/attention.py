@@ -7,9 +7,11 @@ all of its `kv_slots` (cached prefix + new tokens). The causal mask is aligned t
 `q_len` queries of a sequence are its last `q_len` positions, so query `i` sees keys
 `0 .. kv_len - q_len + i`.
 
-Backends: `torch` (reference, CPU and GPU, always there), `triton` (a paged kernel, CUDA +
-triton only) and `flashinfer` (when that package is importable). The GPU backends are
-imported lazily so this module loads on a machine without them.
+Backends: `torch` (reference, CPU and GPU, always there: a plain gather per sequence, then
+SDPA), `native` (the default: the same result from torch ops with less work, see
+`worker.attention_native`), `triton` (a paged kernel, CUDA + triton only) and `flashinfer`
+(when that package is importable). The other backends are imported lazily so this module
+loads on a machine without them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ class AttentionBatch:
 
     `q_lens[i]` new tokens of sequence `i` (they sum to T); `kv_lens[i] >= q_lens[i]` is its
     cached prefix plus its new tokens; `slot_mapping` (int64 [T]) the slot where each new
-    token's K/V goes; `kv_slots[i]` (int64 [kv_len_i]) the slots of all its tokens in order,
-    the last `q_lens[i]` of them equal to its part of `slot_mapping`.
+    token's K/V goes. The slots of all of sequence `i`'s tokens in order (the last `q_lens[i]`
+    of them equal to its part of `slot_mapping`) come either as `kv_slots[i]` (int64
+    [kv_len_i]) or as row `i` of `slot_table` (int64 [num_seqs, W >= max kv_len], the rows of
+    the engine's request-to-slot table; entries past `kv_len_i` are any valid slot).
 
     A backend may memoise per-batch index tensors in `plan` (shared by every layer of the pass);
     callers build a fresh batch per forward pass.
@@ -41,8 +45,26 @@ class AttentionBatch:
     q_lens: list[int]
     kv_lens: list[int]
     slot_mapping: torch.Tensor
-    kv_slots: list[torch.Tensor]
+    kv_slots: list[torch.Tensor] | None = None
+    slot_table: torch.Tensor | None = None
     plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def slots(self, i: int) -> torch.Tensor:
+        """The KV slots of sequence `i`, int64 [kv_lens[i]]."""
+        if self.kv_slots is not None:
+            return self.kv_slots[i]
+        return self.slot_table[i, : self.kv_lens[i]]
+
+    def all_slots(self) -> list[torch.Tensor]:
+        """The KV slots of every sequence, in order."""
+        return [self.slots(i) for i in range(len(self.q_lens))]
+
+    def padded_slots(self, seqs: list[int], width: int) -> torch.Tensor:
+        """int64 [len(seqs), width]: the slots of sequences `seqs`, padded with valid slots."""
+        if self.slot_table is not None:
+            index = torch.tensor(seqs, device=self.slot_table.device)
+            return self.slot_table.index_select(0, index)[:, :width]
+        return pad_sequence([self.kv_slots[i] for i in seqs], batch_first=True)  # pads with 0
 
     @property
     def num_tokens(self) -> int:
@@ -50,11 +72,15 @@ class AttentionBatch:
 
     def validate(self) -> None:
         """Raise ValueError when the lengths do not describe a consistent batch."""
-        if not (len(self.q_lens) == len(self.kv_lens) == len(self.kv_slots)):
-            raise ValueError("q_lens, kv_lens and kv_slots must have one entry per sequence")
+        if (self.kv_slots is None) == (self.slot_table is None):
+            raise ValueError("give exactly one of kv_slots and slot_table")
+        table = self.kv_slots if self.kv_slots is not None else self.slot_table
+        if not (len(self.q_lens) == len(self.kv_lens) == len(table)):
+            raise ValueError("q_lens, kv_lens and the slots must have one entry per sequence")
         if self.slot_mapping.numel() != self.num_tokens:
             raise ValueError("slot_mapping must have one slot per new token")
-        for q_len, kv_len, slots in zip(self.q_lens, self.kv_lens, self.kv_slots, strict=True):
+        for i, (q_len, kv_len) in enumerate(zip(self.q_lens, self.kv_lens, strict=True)):
+            slots = self.slots(i)
             if not 0 < q_len <= kv_len or slots.numel() != kv_len:
                 raise ValueError(
                     f"bad sequence: q_len={q_len} kv_len={kv_len} slots={slots.numel()}"
@@ -126,13 +152,13 @@ class _TorchPlan:
     def build(batch: AttentionBatch, device: torch.device) -> _TorchPlan:
         rows, decode_slots, prefills = [], [], []
         start = 0
-        for q_len, kv_len, slots in zip(batch.q_lens, batch.kv_lens, batch.kv_slots, strict=True):
-            slots = slots.to(device)
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+            slots = batch.slots(i).to(device)
             if q_len == 1:
                 rows.append(start)
                 decode_slots.append(slots)
             else:
-                prefills.append((start, q_len, slots, _end_aligned_mask(q_len, kv_len, device)))
+                prefills.append((start, q_len, slots, end_aligned_mask(q_len, kv_len, device)))
             start += q_len
         if not rows:
             return _TorchPlan(None, None, None, prefills)
@@ -144,7 +170,7 @@ class _TorchPlan:
         return _TorchPlan(rows_t, padded, mask, prefills)
 
 
-def _end_aligned_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+def end_aligned_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
     """Bool [q_len, kv_len] mask, True where query i may see key j (j <= kv_len - q_len + i).
 
     None when there is no cached prefix: plain `is_causal` is the same mask and faster.
@@ -178,17 +204,21 @@ def _decode(q: torch.Tensor, layer: int, kv_pool: KVPool, plan: _TorchPlan) -> t
     return o[:, :, 0, :]
 
 
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
 
 
 def make_attention(name: str = "torch") -> AttentionBackend:
-    """The backend called `name`: "torch" | "triton" | "flashinfer".
+    """The backend called `name`: "torch" | "native" | "triton" | "flashinfer".
 
     Raises ValueError for an unknown name and ImportError when a GPU backend's package or a
     CUDA device is missing.
     """
     if name == "torch":
         return TorchAttention()
+    if name == "native":
+        from worker.attention_native import NativeAttention
+
+        return NativeAttention()
     if name == "triton":
         from worker.attention_triton import TritonAttention
 

@@ -2,7 +2,7 @@
 
 Imported only by `make_attention("flashinfer")` (ImportError without flashinfer or CUDA).
 The pool's `[size, KVH, D]` buffers are viewed as flashinfer's NHD paged cache
-`[size, 1, KVH, D]` (page size 1), so each sequence's `kv_slots` are its page indices. With
+`[size, 1, KVH, D]` (page size 1), so each sequence's KV slots are its page indices. With
 `causal=True` flashinfer aligns the mask to the end when a sequence has fewer queries than
 keys, which is the contract of `AttentionBackend`. GPU-only: tested against the torch backend
 in tests/worker/test_attention_gpu.py.
@@ -47,7 +47,7 @@ class FlashInferAttention(AttentionBackend):
         qo_indptr[1:] = torch.tensor(batch.q_lens).cumsum(0)
         kv_indptr = torch.zeros(len(batch.kv_lens) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor(batch.kv_lens).cumsum(0)
-        kv_indices = torch.cat(batch.kv_slots).to(device=device, dtype=torch.int32)
+        kv_indices = torch.cat(batch.all_slots()).to(device=device, dtype=torch.int32)
         last_page_len = torch.ones(len(batch.q_lens), dtype=torch.int32, device=device)
         self.wrapper.plan(
             qo_indptr.to(device),

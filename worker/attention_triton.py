@@ -123,7 +123,7 @@ def _plan(batch: AttentionBatch, device: torch.device):
     q_indptr[1:] = torch.tensor(batch.q_lens).cumsum(0)
     kv_indptr = torch.zeros(len(batch.kv_lens) + 1, dtype=torch.int32)
     kv_indptr[1:] = torch.tensor(batch.kv_lens).cumsum(0)
-    kv_indices = torch.cat([s.to(torch.int64) for s in batch.kv_slots])
+    kv_indices = torch.cat([s.to(torch.int64) for s in batch.all_slots()])
     return (
         q_indptr.to(device),
         kv_indptr.to(device),

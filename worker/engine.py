@@ -14,6 +14,7 @@ import torch
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
+from worker.compiled import compile_model
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner
@@ -30,7 +31,7 @@ class EngineConfig:
     model: str = "tiny"  # built-in name or HF model directory
     device: str = "cpu"
     dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: the checkpoint's
-    attention: str = "torch"  # "torch" | "triton" | "flashinfer"
+    attention: str = "native"  # "native" | "torch" (reference) | "triton" | "flashinfer"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
     page_size: int = 1
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
@@ -43,6 +44,9 @@ class EngineConfig:
     host_policy: str = "write_through"  # | "write_through_selective" | "write_back"
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
+    # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
+    # default: compiling takes a minute or more on a small CPU and gains little in float32
+    compile: bool = False
 
     def validate(self) -> None:
         """ValueError naming the first knob out of range."""
@@ -66,6 +70,8 @@ class Engine:
         self.device = torch.device(config.device)
         self.runner = ModelRunner(config.model, self.device, config.dtype, config.attention)
         self.model = self.runner.model
+        if config.compile:
+            compile_model(self.model)
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)

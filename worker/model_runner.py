@@ -1,13 +1,15 @@
 """The model and its KV pool: turns one scheduled batch into one forward pass.
 
 `ModelRunner.forward` flattens the new tokens of every scheduled request into one pass
-(`AttentionBatch`), and returns the logits of the requests whose chunk reaches the end of their
+(`AttentionBatch`, the requests' slots given by their rows of the request-to-slot table), and
+returns the logits of the requests whose chunk reaches the end of their
 tokens (those sample a next token); requests part-way through a chunked prefill get none.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -55,27 +57,48 @@ class ModelRunner:
         self, batch: ScheduledBatch, req_to_token: torch.Tensor
     ) -> tuple[torch.Tensor, list[Request]]:
         """Run `batch`; float32 logits [S, vocab] for the S requests returned (in order)."""
+        attn, ids, positions, logits_at, sampled = self.prepare(batch, req_to_token)
+        logits = self.model.forward(ids, positions, attn, self.kv_pool, logits_at)
+        return logits, sampled
+
+    def prepare(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> _Inputs:
+        """The inputs of one pass. Per step this costs O(batch) Python ints and a few small
+        tensors: the slots come from the requests' rows of `req_to_token` (the block table,
+        which `KVMemory.alloc` extends as requests grow) with one gather, never a tensor per
+        request."""
         ids: list[int] = []
         positions: list[int] = []
-        slots, kv_slots, kv_lens, logits_at, sampled = [], [], [], [], []
+        rows, kv_lens, logits_at, sampled = [], [], [], []
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             start, end = req.num_computed, req.num_computed + n
-            row = req_to_token[req.row]
             ids.extend(req.tokens[start:end])
             positions.extend(range(start, end))
-            slots.append(row[start:end])
-            kv_slots.append(row[:end])
+            rows.append(req.row)
             kv_lens.append(end)
             if end == len(req.tokens):
                 logits_at.append(len(ids) - 1)
                 sampled.append(req)
-        attn = AttentionBatch(list(batch.num_new), kv_lens, torch.cat(slots), kv_slots)
         dev = self.device
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            attn,
-            self.kv_pool,
-            torch.tensor(logits_at, dtype=torch.int64, device=dev),
+        q_lens = list(batch.num_new)
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        if len(ids) == len(rows):  # decode only: one token per request
+            token_rows = rows_t
+        else:
+            token_rows = rows_t.repeat_interleave(torch.tensor(q_lens, device=dev))
+        slot_mapping = req_to_token[token_rows, positions_t]
+        table = req_to_token[:, : max(kv_lens)].index_select(0, rows_t)
+        attn = AttentionBatch(q_lens, kv_lens, slot_mapping, slot_table=table)
+        every_row = len(logits_at) == len(ids)
+        logits_t = None if every_row else torch.tensor(logits_at, dtype=torch.int64, device=dev)
+        return _Inputs(
+            attn, torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, logits_t, sampled
         )
-        return logits, sampled
+
+
+class _Inputs(NamedTuple):
+    attn: AttentionBatch
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    logits_at: torch.Tensor | None  # rows whose logits are wanted; None: every row
+    sampled: list[Request]  # the requests those rows belong to

@@ -8,7 +8,8 @@ one matmul each; `load_weights` maps HF's separate tensors into the fused ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +30,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -53,24 +58,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        batch: AttentionBatch,
-        kv_pool: KVPool,
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
-        out = self.backend.forward(q, k, v, self.layer, batch, kv_pool)
-        return self.o_proj(out.reshape(-1, self.q_size))
-
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -83,22 +70,91 @@ class MLP(nn.Module):
             cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, dtype=cfg.dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
 
 class DecoderLayer(nn.Module):
+    """One block. Its dense work is two pure functions of tensors, `pre_attention` and
+    `post_attention` (the same code for every layer, so `torch.compile` compiles each once);
+    between them the attention backend writes and reads the KV pool."""
+
     def __init__(self, cfg: ModelConfig, layer: int, backend: AttentionBackend) -> None:
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.self_attn = Attention(cfg, layer, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, batch, kv_pool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, batch, kv_pool)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, batch, kv_pool, kernels: LayerKernels) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` is the (cos, sin) of the tokens' positions."""
+        a, m, c = self.self_attn, self.mlp, self.cfg
+        q_norm = a.q_norm.weight if a.q_norm is not None else None
+        k_norm = a.k_norm.weight if a.k_norm is not None else None
+        q, k, v = kernels.pre(
+            x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, q_norm, k_norm,
+            *rope, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+        )  # fmt: skip
+        out = a.backend.forward(q, k, v, a.layer, batch, kv_pool)
+        return kernels.post(
+            x, out.reshape(x.shape[0], -1), a.o_proj.weight, a.o_proj.bias,
+            self.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
+            m.down_proj.weight, m.down_proj.bias, c.rms_norm_eps,
+        )  # fmt: skip
+
+
+def pre_attention(
+    x: torch.Tensor,
+    norm_w: torch.Tensor,
+    qkv_w: torch.Tensor,
+    qkv_b: torch.Tensor | None,
+    q_norm_w: torch.Tensor | None,
+    k_norm_w: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input norm, fused q/k/v projection, optional per-head q/k norm, RoPE:
+    x [T, hidden] -> q [T, H, D], k and v [T, KVH, D]."""
+    qkv = F.linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(-1, num_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if q_norm_w is not None:
+        q, k = rms_norm(q, q_norm_w, eps), rms_norm(k, k_norm_w, eps)
+    q, k = RotaryEmbedding.apply(q, k, cos, sin)
+    return q, k, v
+
+
+def post_attention(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    o_w: torch.Tensor,
+    o_b: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    gate_up_w: torch.Tensor,
+    gate_up_b: torch.Tensor | None,
+    down_w: torch.Tensor,
+    down_b: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """Output projection and residual, post-attention norm, SwiGLU MLP and residual."""
+    x = x + F.linear(attn, o_w, o_b)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+class LayerKernels(NamedTuple):
+    """The two dense functions of a layer: `pre_attention`/`post_attention` or compiled ones."""
+
+    pre: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    post: Callable[..., torch.Tensor]
+
+
+EAGER = LayerKernels(pre_attention, post_attention)
 
 
 class CausalLM(nn.Module):
@@ -124,6 +180,7 @@ class CausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None
+        self.kernels = EAGER  # the engine may swap in compiled ones (worker.compiled)
 
     @torch.no_grad()
     def forward(
@@ -132,18 +189,21 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_pool: KVPool,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] of the new tokens -> float32 logits [S, vocab] of the
-        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last).
+        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last;
+        None: every row).
 
         Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`.
         """
-        rope = self._rope(input_ids.device)
         x = self.embed_tokens(input_ids)
+        rope = self._rope(input_ids.device).cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, rope, batch, kv_pool)
-        x = self.norm(x[logits_indices])
+            x = layer(x, rope, batch, kv_pool, self.kernels)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        x = self.norm(x)
         return self.lm_head(x).to(torch.float32)
 
     def _rope(self, device: torch.device) -> RotaryEmbedding:

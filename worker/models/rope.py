@@ -14,10 +14,10 @@ import torch
 
 
 class RotaryEmbedding:
-    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at integer `positions` [T].
+    """RoPE for q [T, H, D] and k [T, KVH, D] at integer `positions` [T].
 
-    cos/sin are computed in float32 per call (T x D/2, cheap next to the matmuls) and cast to
-    the activations' dtype, as HF does.
+    `cos_sin(positions, dtype)` computes the angles once per forward pass (float32, T x D/2,
+    cast to the activations' dtype as HF does); `apply` rotates q and k of every layer with them.
     """
 
     def __init__(
@@ -30,14 +30,26 @@ class RotaryEmbedding:
         self.inv_freq, self.attention_factor = _inv_freq(head_dim, theta, scaling)
         self.inv_freq = self.inv_freq.to(device)
 
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] of `positions`, in `dtype`."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
+        cos = (emb.cos() * self.attention_factor).to(dtype)
+        sin = (emb.sin() * self.attention_factor).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def apply(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D]
-        cos = (emb.cos() * self.attention_factor).to(q.dtype)
-        sin = (emb.sin() * self.attention_factor).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.apply(q, k, *self.cos_sin(positions, q.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
