@@ -49,7 +49,7 @@ class ClusterConfig:
     cpus_per_worker: float | None = None
     device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
     dtype: str | None = None  # None: the model's own dtype (bf16 on GPU, fp32 on CPU)
-    attention: str = "torch"  # attention backend of the engine
+    attention: str = "native"  # attention backend of the engine (worker.attention)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"
