@@ -58,7 +58,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                        help="weights and KV precision (default: the checkpoint's)")
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
-                       help="attention backend: native, torch (reference), triton, flashinfer (default: %(default)s)")
+                       help="attention backend: native, torch (reference), triton, flashinfer "
+                       "(default: %(default)s)")
     kv = parser.add_argument_group("KV cache (per worker)")
     kv.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                     help="KV slots per worker (default: sized from free memory)")
