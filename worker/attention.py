@@ -202,29 +202,3 @@ def _decode(q: torch.Tensor, layer: int, kv_pool: KVPool, plan: _TorchPlan) -> t
         enable_gqa=True,
     )
     return o[:, :, 0, :]
-
-
-ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
-
-
-def make_attention(name: str = "torch") -> AttentionBackend:
-    """The backend called `name`: "torch" | "native" | "triton" | "flashinfer".
-
-    Raises ValueError for an unknown name and ImportError when a GPU backend's package or a
-    CUDA device is missing.
-    """
-    if name == "torch":
-        return TorchAttention()
-    if name == "native":
-        from worker.attention_native import NativeAttention
-
-        return NativeAttention()
-    if name == "triton":
-        from worker.attention_triton import TritonAttention
-
-        return TritonAttention()
-    if name == "flashinfer":
-        from worker.attention_flashinfer import FlashInferAttention
-
-        return FlashInferAttention()
-    raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKENDS}")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch, TorchAttention, make_attention
+from worker.attention import AttentionBatch, TorchAttention
+from worker.attention_backends import make_attention
 
 H, KVH, D = 4, 2, 8
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch, make_attention
+from worker.attention import AttentionBatch
+from worker.attention_backends import make_attention
 
 pytestmark = [
     pytest.mark.gpu,

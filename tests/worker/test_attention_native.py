@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch, make_attention
+from worker.attention import AttentionBatch
+from worker.attention_backends import make_attention
 
 H, KVH, D = 6, 2, 8
 POOL = 512

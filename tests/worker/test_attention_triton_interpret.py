@@ -22,7 +22,8 @@ CHECK = textwrap.dedent(
     """
     import torch
     from mem_cache.kv_pool import KVPool
-    from worker.attention import AttentionBatch, make_attention
+    from worker.attention import AttentionBatch
+from worker.attention_backends import make_attention
 
     import sys
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBackend, AttentionBatch, make_attention
+from worker.attention import AttentionBackend, AttentionBatch
+from worker.attention_backends import make_attention
 from worker.models.config import ModelConfig
 from worker.models.rope import RotaryEmbedding
 

@@ -1,0 +1,34 @@
+"""Attention backends by name: the one place that knows every backend's module.
+
+It sits above `worker.attention` (the interface and the `torch` reference) and the backends
+that implement it, so none of them imports another back; the GPU backends load only when named.
+"""
+
+from __future__ import annotations
+
+from worker.attention import AttentionBackend, TorchAttention
+
+ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
+
+
+def make_attention(name: str = "torch") -> AttentionBackend:
+    """The backend called `name`: "torch" | "native" | "triton" | "flashinfer".
+
+    Raises ValueError for an unknown name and ImportError when a GPU backend's package or a
+    CUDA device is missing.
+    """
+    if name == "torch":
+        return TorchAttention()
+    if name == "native":
+        from worker.attention_native import NativeAttention
+
+        return NativeAttention()
+    if name == "triton":
+        from worker.attention_triton import TritonAttention
+
+        return TritonAttention()
+    if name == "flashinfer":
+        from worker.attention_flashinfer import FlashInferAttention
+
+        return FlashInferAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKENDS}")
