@@ -65,3 +65,53 @@ def test_the_check_sees_what_it_must_refuse(tmp_path):
     ]
     assert not forbidden("router", "worker.protocol") and not forbidden("router", "typing")
     assert forbidden("worker", "cluster.config") and forbidden("mem_cache", "worker")
+
+
+def module_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (every import statement counts;
+    `from pkg.mod import name` names `pkg.mod`, or `pkg.mod.name` where that is a module)."""
+    files = {
+        ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+        for f in (ROOT / package).rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module)
+                targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+        graph[module] = {t for t in targets if t in files and t != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return None
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_no_import_cycle_inside_a_package(package):
+    assert find_cycle(module_graph(package)) is None
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
