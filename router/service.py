@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from router.backends import Backend
+from router.backends import Backend, BackendDead
 from router.config import RouterConfig, cost_config
 from router.core import CoreConfig, RoutingCore
 from router.dispatch import Dispatcher
@@ -259,6 +259,23 @@ class Router:
                 result = result.worker_id
             added.append(str(result))
         return added
+
+    async def add_url_worker(self, body: dict) -> str:
+        """Registers the external engine `body` names (`{"url", "events", "replay"}`), through
+        the control's `url_worker(body) -> Backend` (`cluster.route`); 501 without one."""
+        make = getattr(self.control, "url_worker", None)
+        if make is None:
+            raise not_implemented("Adding a worker by url")
+        backend = make(body)
+        try:
+            await self.workers.add(backend)
+        except BackendDead as exc:
+            self.workers.forget(backend.worker_id)
+            await _maybe_await(self.control.remove_worker(backend.worker_id))
+            await backend.close()
+            raise bad_request(f"the engine does not answer: {exc}", param="url",
+                              code="worker_unreachable") from None
+        return backend.worker_id
 
     def _known(self, worker_id: str) -> None:
         if worker_id not in self.workers.backends and worker_id not in self.workers.dead:
