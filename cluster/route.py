@@ -54,7 +54,8 @@ class WorkerSpec:
 
 def _check_url(url: object, schemes: tuple[str, ...], what: str) -> str:
     parts = urllib.parse.urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in schemes or not parts.netloc:
+    where = parts and (parts.path if parts.scheme == "ipc" else parts.netloc)
+    if parts is None or parts.scheme not in schemes or not where:
         raise ValueError(f"{what} must be a {'/'.join(schemes)}:// address, got {url!r}")
     return url
 
