@@ -226,9 +226,12 @@ class HttpBackend(Backend):
         try:
             async with self._http().get(self.base_url + "/metrics") as resp:
                 text = await resp.text() if resp.status == 200 else ""
-            metrics = parse_engine_metrics(text)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise BackendDead(f"{self.worker_id}: /metrics: {exc}") from exc
+        try:
+            metrics = parse_engine_metrics(text)
+        except ValueError:  # not Prometheus text: an engine that reports nothing we read
+            metrics = EngineMetrics()
         before = self.engine.start_time
         if self.events is not None and before is not None and metrics.start_time != before:
             self.events.purge("restart")
