@@ -313,8 +313,9 @@ def test_radixray_route_command_answers_through_openai(engines, tmp_path):
         assert len(added.json()["data"]) == 2
         bad = requests.post(url + "/v1/workers", timeout=30, json={"url": "ftp://x"})
         assert bad.status_code == 400
-        metrics = requests.get(url + "/metrics", timeout=10).text
-        assert "radixray_engine_events_total" in metrics
+        wid = engines[0].url.removeprefix("http://")
+        applied = f'radixray_engine_events_total{{outcome="applied",worker="{wid}"}}'
+        settle(lambda: _assert(applied in requests.get(url + "/metrics", timeout=10).text))
     finally:
         proc.terminate()
         proc.wait(30)
