@@ -19,7 +19,8 @@ router drops everything it had for that worker. `purge()` does the same on the b
 (the engine answers again after a failure with a new start time).
 
 Bad input never stops the stream: each malformed frame, payload or event is counted in
-`outcomes` (by reason; `router/metrics.py` exports them), logged once per reason, and skipped.
+`outcomes` (by reason; `radixray route` exports them as `radixray_engine_events_total`),
+logged once per reason, and skipped.
 """
 
 from __future__ import annotations
@@ -161,9 +162,8 @@ class EngineEventStream:
 
     def _resync(self, start: int, until: int) -> None:
         """Engine batches were lost for good: start over from empty, in a new epoch."""
-        if start > 0 or until > 0:
-            log.warning("engine %s: events %d..%d lost, index resynced from empty",
-                        self.worker_id, start, until - 1)
+        log.warning("engine %s: events %d..%d lost, index resynced from empty",
+                    self.worker_id, start, until - 1)
         self.purge("resync")
 
     async def _replay(self, start: int) -> list[tuple[int, bytes]]:
