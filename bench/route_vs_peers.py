@@ -108,6 +108,8 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
                                            args.words_per_block, 16)}
     if TRACE.exists():
         trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
+        # requests longer than the engines' context would only be refused
+        trace.requests = [r for r in trace.requests if len(r.blocks) <= args.trace_max_blocks]
         out["mooncake"] = bench_requests(trace, args.trace_words_per_block, 16)
     return out
 
@@ -128,11 +130,14 @@ def main() -> None:
     parser.add_argument("--routers", default="radixray,sglang-router,vllm-router,round_robin")
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
-    parser.add_argument("--rate", type=float, default=1.0, help="shared-prefix requests/s")
+    parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
     parser.add_argument("--words-per-block", type=int, default=48)
     parser.add_argument("--trace-limit", type=int, default=40)
     parser.add_argument("--trace-speed", type=float, default=1.0)
-    parser.add_argument("--trace-words-per-block", type=int, default=24)
+    # a trace block (512 tokens) becomes this many pseudo-words (~2 tokens each): it must stay
+    # above the engines' 128-token block, or no shared prefix is ever a whole cached block
+    parser.add_argument("--trace-words-per-block", type=int, default=96)
+    parser.add_argument("--trace-max-blocks", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
