@@ -176,7 +176,7 @@ def settle(check, timeout_s: float = 20.0):
 
 def test_engine_shape_is_read_not_assumed(router, engines):
     rows = requests.get(router.url + "/v1/workers", timeout=10).json()["data"]
-    assert [r["id"] for r in rows] == [e.url.removeprefix("http://") for e in engines]
+    assert {r["id"] for r in rows} == {e.url.removeprefix("http://") for e in engines}
     assert {r["max_context"] for r in rows} == {1024}  # vLLM's max_model_len
     assert router.app.state.router.config.block_size == BLOCK  # from vLLM's /metrics
     settle(lambda: _assert({r["kv_total"] for r in requests.get(
@@ -307,6 +307,8 @@ def test_radixray_route_command_answers_through_openai(engines, tmp_path):
             messages=[{"role": "user", "content": "Hello there, who are you?"}])
         assert reply.choices[0].finish_reason in ("stop", "length")
         assert reply.usage.completion_tokens > 0
+        client.completions.create(model=str(engines[0].model), prompt=prompt(3, BLOCK + 10),
+                                  max_tokens=2)  # a whole block: the engine publishes it
         added = requests.post(url + "/v1/workers", timeout=30, json={
             "url": engines[1].url, "events": engines[1].events, "replay": engines[1].replay})
         assert added.status_code == 200, added.text

@@ -51,19 +51,17 @@ class VllmServer:
         self.log = log
         self.kv_blocks = kv_blocks
         self.max_model_len = max_model_len
-        self.port, self.replay_port = free_port(), free_port()
-        # vLLM binds its PUB socket only for wildcard or ipc endpoints (it connects to any
-        # other): ipc keeps it off the network
+        self.port = free_port()
+        # ipc, not tcp: vLLM binds its PUB socket only for wildcard or ipc endpoints (it
+        # connects to any other), and a tcp port picked here can be taken by one of the ports
+        # vLLM picks for its own processes before it binds it
         self.events = f"ipc://{log.parent / log.stem}-events.sock"
+        self.replay = f"ipc://{log.parent / log.stem}-replay.sock"
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def replay(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
 
     def spec(self) -> str:
         """This engine as a `radixray route --worker` argument."""
