@@ -11,12 +11,14 @@ Errors are two kinds, and the dispatcher treats them differently:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from router.engine_events import EngineEventsConfig, EngineEventStream
 from router.engine_metrics import EngineMetrics, parse_engine_metrics
+from router.engine_speed import EngineSpeed
 from router.sse import sse_json
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
@@ -154,6 +156,8 @@ class HttpBackend(Backend):
     router's own routing history. The engine's shape and load come from its `/metrics` where
     it reports them (`router.engine_metrics`): block size, KV capacity, running and waiting
     requests, and its start time (a new one: the engine restarted, its events are purged).
+    Its prefill speed and decode step are timed on the router's own streams
+    (`router.engine_speed`) and reported in `stats()`, as our workers report theirs.
     `block_size` is the granularity its KV events are hashed at, reported by `ready()` as the
     engine shape's `block_size`; None: the engine's own block size. An engine that reports
     none leaves it to the router's default (`EngineShape.from_info`), and then cannot have
@@ -182,6 +186,7 @@ class HttpBackend(Backend):
         self.events_config = events
         self.events: EngineEventStream | None = None
         self.engine = EngineMetrics()
+        self.speed = EngineSpeed()
         self._session: Any = None
 
     def _http(self) -> Any:
@@ -277,8 +282,10 @@ class HttpBackend(Backend):
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         import aiohttp
 
+        queued = self.running > 0  # sent behind the router's own requests: its TTFT has a queue
         self.running += 1
         last: TokenChunk | None = None
+        clock = _StreamClock()
         try:
             async with self._http().post(
                 self.base_url + "/v1/completions", json=self._body(request)
@@ -295,6 +302,7 @@ class HttpBackend(Backend):
                         last.cached_tokens = int(details.get("cached_tokens") or 0)
                     if chunk is None:
                         continue
+                    clock.tokens(len(chunk.token_ids))
                     if last is not None:
                         yield last
                     last = chunk
@@ -304,6 +312,8 @@ class HttpBackend(Backend):
             self.running -= 1
         if last is None or last.finish_reason is None:
             raise BackendDead(f"{self.worker_id}: stream ended before the request finished")
+        if last.prompt_tokens:
+            clock.observe(self.speed, last.prompt_tokens - last.cached_tokens, queued)
         yield last
 
     def _parse(self, request_id: str, body: dict) -> tuple[TokenChunk | None, dict | None]:
@@ -341,6 +351,8 @@ class HttpBackend(Backend):
             waiting=e.waiting or 0,
             kv_total=kv_total,
             kv_free=int(kv_total * (1.0 - (e.kv_usage or 0.0))),
+            prefill_tokens_per_s=self.speed.prefill_tokens_per_s,
+            decode_step_s=self.speed.decode_step_s,
             model=self.model or "",
         )
 
@@ -356,3 +368,28 @@ class HttpBackend(Backend):
             await self.events.close()
         if self._session is not None:
             await self._session.close()
+
+
+class _StreamClock:
+    """When one stream's tokens arrived: its first, its last, and how many after the first."""
+
+    def __init__(self) -> None:
+        self.sent = time.monotonic()
+        self.first: float | None = None
+        self.last = 0.0
+        self.after_first = 0
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        else:
+            self.after_first += count
+        self.last = now
+
+    def observe(self, speed: EngineSpeed, uncached_tokens: int, queued: bool) -> None:
+        if self.first is not None:
+            speed.observe(uncached_tokens, self.first - self.sent, self.last - self.first,
+                          self.after_first, queued)
