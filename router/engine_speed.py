@@ -1,0 +1,73 @@
+"""An external engine's speeds as the router observes them through its own streams.
+
+An OpenAI-compatible server reports no prefill speed or decode step, yet the estimate
+(`router.estimate`) reads both from `WorkerStats` as it does for our own workers. The router
+times each of its requests to the engine instead:
+
+- prefill speed: over the recent requests sent while the router had nothing else in flight on
+  that engine (so no queue of its own ahead of them), the least-squares line of time to first
+  token on uncached prompt tokens (`prompt_tokens - cached_tokens`, the engine's own figures):
+  its slope is the time per prompt token, 1 / speed; its intercept the fixed cost of a request
+  (HTTP, scheduling, the first decode step), which is not prefill;
+- decode step: the median over recent requests of the time between a request's first and
+  last tokens per token generated in between.
+
+A figure stays 0.0 (unknown: the fleet's median or the prior holds) until enough requests
+were seen: two prompt lengths for the line, one request of two tokens for the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+from router.fleet import fit_line
+
+
+@dataclass
+class EngineSpeedConfig:
+    """window: recent requests each figure is taken over.
+    min_uncached: fewer uncached prompt tokens than this say nothing of the prefill speed
+    (the fixed cost of a request dominates them)."""
+
+    window: int = 64
+    min_uncached: int = 16
+
+
+class EngineSpeed:
+    """Recent request timings of one engine; see the module docstring."""
+
+    def __init__(self, config: EngineSpeedConfig | None = None) -> None:
+        self.config = config or EngineSpeedConfig()
+        self._prefill: deque[tuple[int, float]] = deque(maxlen=self.config.window)
+        self._steps: deque[float] = deque(maxlen=self.config.window)
+
+    def observe(
+        self,
+        uncached_tokens: int,
+        ttft_s: float,
+        decode_s: float,
+        decode_tokens: int,
+        queued_behind_own: bool,
+    ) -> None:
+        """One finished request: its uncached prompt tokens and time to first token (used only
+        when it was not `queued_behind_own`, i.e. sent with nothing else of the router's in
+        flight), and `decode_tokens` tokens generated in `decode_s` after the first."""
+        if not queued_behind_own and uncached_tokens >= self.config.min_uncached and ttft_s > 0:
+            self._prefill.append((uncached_tokens, ttft_s))
+        if decode_tokens > 0 and decode_s > 0:
+            self._steps.append(decode_s / decode_tokens)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Uncached prompt tokens per second; 0.0 when unknown."""
+        fit = fit_line(list(self._prefill))
+        if fit is None or fit[1] <= 0:
+            return 0.0
+        return 1.0 / fit[1]
+
+    @property
+    def decode_step_s(self) -> float:
+        """Seconds per generated token after the first; 0.0 when unknown."""
+        return median(self._steps) if self._steps else 0.0

@@ -1,0 +1,85 @@
+"""EngineSpeed: an external engine's prefill speed and decode step from the router's own
+request timings, and HttpBackend reporting them in its stats (where the estimate reads them)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
+
+from router.app import create_app  # noqa: E402
+from router.backends import HttpBackend  # noqa: E402
+from router.config import RouterConfig  # noqa: E402
+from router.core import RoutingCore  # noqa: E402
+from router.engine_speed import EngineSpeed, EngineSpeedConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
+from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
+
+
+def test_prefill_speed_is_the_slope_of_ttft_on_uncached_tokens():
+    speed = EngineSpeed()
+    assert speed.prefill_tokens_per_s == 0.0 and speed.decode_step_s == 0.0
+    speed.observe(400, 0.05 + 400 / 2000, 0.0, 0, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == 0.0  # one prompt length: no line yet
+    for n in (100, 800, 1600):
+        speed.observe(n, 0.05 + n / 2000, 0.0, 0, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(2000.0)  # the fixed 50 ms is not prefill
+    speed.observe(100, 9.0, 0.0, 0, queued_behind_own=True)  # waited behind the router's own
+    speed.observe(8, 9.0, 0.0, 0, queued_behind_own=False)  # too few tokens to say anything
+    assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
+
+
+def test_decode_step_is_the_median_time_per_token_after_the_first():
+    speed = EngineSpeed()
+    speed.observe(0, 0.1, 0.2, 10, queued_behind_own=True)  # 20 ms per token
+    speed.observe(0, 0.1, 0.3, 10, queued_behind_own=True)  # 30 ms
+    speed.observe(0, 0.1, 5.0, 10, queued_behind_own=True)  # a stall: the median ignores it
+    speed.observe(0, 0.1, 0.0, 0, queued_behind_own=False)  # one token: no step
+    assert speed.decode_step_s == pytest.approx(0.03)
+
+
+def test_recent_requests_replace_old_ones():
+    speed = EngineSpeed(EngineSpeedConfig(window=4))
+    for n in (100, 200, 300, 400):
+        speed.observe(n, n / 1000, 0.1, 10, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(1000.0)
+    for n in (100, 200, 300, 400):  # the engine got slower (another tenant, a longer context)
+        speed.observe(n, n / 250, 0.4, 10, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(250.0)
+    assert speed.decode_step_s == pytest.approx(0.04)
+
+
+def test_http_backend_reports_the_speeds_it_timed():
+    """Through a real HTTP server whose worker takes 20 ms per chunk: the decode step the
+    backend reports in `stats()` is that pace, and it reports no prefill speed until prompts of
+    different lengths were timed."""
+    tokenizer = Tokenizer(tiny_dir())
+    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01),
+                     [FakeWorker("up", delay_s=0.02)], tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        backend = HttpBackend("h", server.url)
+
+        async def run():
+            await backend.ready()
+            before = await backend.stats()
+            for i in range(3):
+                request = GenerateRequest(f"r{i}", list(range(1, 40)),
+                                          SamplingParams(max_tokens=6))
+                [c async for c in backend.generate(request)]
+            after = await backend.stats()
+            await backend.close()
+            return before, after
+
+        before, after = asyncio.run(run())
+    assert before.decode_step_s == 0.0 and before.prefill_tokens_per_s == 0.0
+    assert 0.015 <= after.decode_step_s <= 0.2
+    assert after.prefill_tokens_per_s == 0.0  # one prompt length only
+    core = RoutingCore()  # the estimate `cost` reads takes the measured step, not its prior
+    core.registry.add("h")
+    core.update_stats(after)
+    assert core.estimator.fleet.decode_step_s == after.decode_step_s
