@@ -7,6 +7,11 @@ sends the request to another worker with `resume_ids` = the tokens streamed so f
 prefills prompt + those tokens and continues, so the client's stream goes on. At most
 `max_failovers` moves per request. A worker found dead is purged from routing at once.
 
+A worker that sends a request nothing for `stall_timeout_s` (before its first token or
+between two) counts as dead the same way: a stopped process or a stuck kernel does not hold
+its requests forever. It is marked dead (purged from routing) and, like any dead worker,
+probed until it answers again, then re-added with a fresh snapshot of its cache.
+
 Load booked by `core.route` is released by exactly one `core.finish` per routed attempt, and
 each attempt is counted on its worker's record by one `begin` and one `end`.
 """
@@ -37,6 +42,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         max_failovers: int = 2,
         namespace: str | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.core = core
         self.registry: WorkerRegistry = core.registry
@@ -44,6 +50,10 @@ class Dispatcher:
         self.metrics = metrics
         self.max_failovers = max_failovers
         self.namespace = namespace
+        # None: the router's configured deadline (the workers' link carries the config)
+        if stall_timeout_s is None:
+            stall_timeout_s = workers.config.stall_timeout_s
+        self.stall_timeout_s = stall_timeout_s
 
     async def open(self, request: GenerateRequest, expected_output: int) -> Dispatch:
         """Routes and starts `request`; returns once its first chunk is in.
@@ -122,7 +132,7 @@ class Dispatch:
                 self._backend = self._route()
                 request = dataclasses.replace(self.request, resume_ids=list(self.tokens))
                 self._stream = self._backend.generate(request).__aiter__()
-                chunk = await self._stream.__anext__()
+                chunk = await self._receive()
                 if chunk.error and not chunk.token_ids:
                     raise BackendRequestError(chunk.error)
                 self.core.first_token(self.request.request_id)
@@ -132,6 +142,19 @@ class Dispatch:
             except BackendRequestError as exc:
                 self._release()
                 raise APIError(400, f"the worker rejected the request: {exc}") from exc
+
+    async def _receive(self) -> TokenChunk:
+        """The next chunk of the current attempt; `BackendDead` when the worker sends nothing
+        for `stall_timeout_s` (the stream is cancelled, which aborts it on the worker)."""
+        assert self._stream is not None
+        timeout = self.dispatcher.stall_timeout_s
+        if not timeout:
+            return await self._stream.__anext__()
+        try:
+            return await asyncio.wait_for(self._stream.__anext__(), timeout)
+        except asyncio.TimeoutError as exc:
+            self.dispatcher.metrics.stalls.inc()
+            raise BackendDead(f"{self.worker_id}: sent nothing for {timeout:g} s") from exc
 
     def _fail(self, exc: BaseException) -> None:
         """The current worker died: release its booking, purge it, count a failover."""
@@ -176,9 +199,8 @@ class Dispatch:
             chunk = await self._next()
 
     async def _next(self) -> TokenChunk:
-        assert self._stream is not None
         try:
-            chunk = await self._stream.__anext__()
+            chunk = await self._receive()
             if chunk.error and chunk.finish_reason is None:
                 chunk.finish_reason = "abort"
             return chunk
