@@ -27,8 +27,9 @@ class RouterConfig:
     max_failovers: how many times one request may move to another worker after its worker
         failed (before or after the first token).
     stall_timeout_s: a worker that sends a request nothing (no first token, no next token)
-        for this long is taken for hung: the request fails over as from a dead worker, and the
-        worker is marked dead (routed to again once its probe answers). 0: no deadline.
+        for this long, its polled stats unchanged meanwhile, is taken for hung: the request
+        fails over as from a dead worker, and the worker is marked dead (routed to again once
+        its probe answers). 0: no deadline.
     max_concurrent: generation requests (completions, chat) in flight at once; one more gets
         429 with `Retry-After: retry_after_s` instead of a queue without bound. 0: no limit.
     retry_after_s: the `Retry-After` a 429 advises, in whole seconds.

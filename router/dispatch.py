@@ -8,9 +8,10 @@ prefills prompt + those tokens and continues, so the client's stream goes on. At
 `max_failovers` moves per request. A worker found dead is purged from routing at once.
 
 A worker that sends a request nothing for `stall_timeout_s` (before its first token or
-between two) counts as dead the same way: a stopped process or a stuck kernel does not hold
-its requests forever. It is marked dead (purged from routing) and, like any dead worker,
-probed until it answers again, then re-added with a fresh snapshot of its cache.
+between two) while its polled stats do not change either counts as dead the same way: a
+stopped process or a stuck kernel does not hold its requests forever. It is marked dead
+(purged from routing) and, like any dead worker, probed until it answers again, then re-added
+with a fresh snapshot of its cache.
 
 Load booked by `core.route` is released by exactly one `core.finish` per routed attempt, and
 each attempt is counted on its worker's record by one `begin` and one `end`.
@@ -19,6 +20,7 @@ each attempt is counted on its worker's record by one `begin` and one `end`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -145,16 +147,30 @@ class Dispatch:
 
     async def _receive(self) -> TokenChunk:
         """The next chunk of the current attempt; `BackendDead` when the worker sends nothing
-        for `stall_timeout_s` (the stream is cancelled, which aborts it on the worker)."""
+        for `stall_timeout_s` and its stats did not change meanwhile (the stream is cancelled,
+        which aborts it on the worker). A worker whose polled stats move is working (this
+        request queued or preempted behind others), so the wait goes on."""
         assert self._stream is not None
         timeout = self.dispatcher.stall_timeout_s
         if not timeout:
             return await self._stream.__anext__()
+        pending = asyncio.ensure_future(self._stream.__anext__())
         try:
-            return await asyncio.wait_for(self._stream.__anext__(), timeout)
-        except asyncio.TimeoutError as exc:
-            self.dispatcher.metrics.stalls.inc()
-            raise BackendDead(f"{self.worker_id}: sent nothing for {timeout:g} s") from exc
+            while True:
+                seen = self._worker.stats if self._worker is not None else None
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if done:
+                    return pending.result()
+                now = self._worker.stats if self._worker is not None else None
+                if now is None or now == seen:
+                    break
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+        self.dispatcher.metrics.stalls.inc()
+        raise BackendDead(f"{self.worker_id}: sent nothing for {timeout:g} s")
 
     def _fail(self, exc: BaseException) -> None:
         """The current worker died: release its booking, purge it, count a failover."""
