@@ -91,6 +91,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1/* "
                         f"(default: ${API_KEY_ENV})")
+    router.add_argument("--stall-timeout", dest="stall_timeout_s", type=float, metavar="S",
+                        default=d["stall_timeout_s"].default,
+                        help="a worker that sends a request nothing for S seconds is taken for "
+                        "hung: the request moves to another worker (0: never; default: "
+                        "%(default)s)")
+    router.add_argument("--max-concurrent", type=int, metavar="N",
+                        default=d["max_concurrent"].default,
+                        help="requests in flight per router replica; more get 429 with "
+                        "Retry-After (0: no limit; default: %(default)s)")
+    router.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, metavar="S",
+                        default=d["drain_timeout_s"].default,
+                        help="on Ctrl-C / SIGTERM, how long requests in flight may take to "
+                        "finish (default: %(default)s)")
     ray_group = parser.add_argument_group("Ray")
     ray_group.add_argument("--address", default=None, metavar="ADDR",
                            help="join this Ray cluster ('auto' on a node started with "

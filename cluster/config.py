@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from router.config import cost_config
+from router.config import RouterConfig, cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"
 DEVICES = ("auto", "cpu", "cuda")
@@ -68,6 +68,10 @@ class ClusterConfig:
     namespace: str = "radixray"  # Ray namespace of the fleet and worker actors
     fleet_name: str = "radixray-fleet"  # the fleet actor's name: routers find the workers by it
     cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
+    # the routers' deadlines and limits (`router.config.RouterConfig` documents them)
+    stall_timeout_s: float = RouterConfig.stall_timeout_s
+    max_concurrent: int = RouterConfig.max_concurrent
+    drain_timeout_s: float = RouterConfig.drain_timeout_s
 
     def __post_init__(self) -> None:
         if self.api_key is None:

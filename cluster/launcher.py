@@ -13,7 +13,8 @@
    answer on the same host:port: each joins the fleet's workers and follows the fleet's changes
    (`cluster/router_link.py`); adding, draining and removing workers are asked of the fleet.
    Ray restarts a replica that dies; the workers do not notice.
-5. On Ctrl-C / SIGTERM: stop the replicas, then stop the fleet explicitly (it kills the workers
+5. On Ctrl-C / SIGTERM: stop the replicas (each finishes its requests in flight first, up to
+   `drain_timeout_s`), then stop the fleet explicitly (it kills the workers
    and frees the bundles), and stop the local Ray if this process started it, so no Ray
    process is left behind.
 """
@@ -87,9 +88,12 @@ class Launcher:
         """Stop the routers, then the fleet (every worker, every bundle); stop Ray if we
         started it."""
         if ray.is_initialized():
-            for router in self.routers:
+            # every replica drains its requests in flight at once (up to drain_timeout_s)
+            stopping = [router.stop.remote() for router in self.routers]
+            timeout = 2 * self.config.drain_timeout_s + 20
+            for router, stopped in zip(self.routers, stopping, strict=True):
                 try:
-                    ray.get(router.stop.remote(), timeout=40)
+                    ray.get(stopped, timeout=timeout)
                 except Exception as exc:  # noqa: BLE001 - dead already, or hung: killed below
                     log.warning("stopping a router: %r", exc)
                 ray.kill(router, no_restart=True)

@@ -59,11 +59,12 @@ class RouterActor:
         return {"pid": os.getpid(), "port": self._own_port}
 
     def stop(self) -> None:
-        """Stop serving (in-flight requests get `timeout_graceful_shutdown` to finish)."""
+        """Stop serving: new connections are refused, requests in flight get
+        `drain_timeout_s` to finish (uvicorn's graceful shutdown, then the app's own wait)."""
         if self._thread.is_alive():
             with contextlib.suppress(RuntimeError):  # the loop may be closing already
                 self._loop.call_soon_threadsafe(self._exit)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=2 * self.config.drain_timeout_s + 10)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -87,7 +88,7 @@ class RouterActor:
         await fleet.started.remote()  # serve once the workers are up
         uv = uvicorn.Config(
             _RouterHeader(app, str(os.getpid()).encode()), log_level="warning", lifespan="on",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=max(1, round(self.config.drain_timeout_s)),
         )
         self._server = uvicorn.Server(uv)
         shared = listen_socket(self.config.host, self.config.port, reuse_port=True)

@@ -124,6 +124,9 @@ def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:
         api_key=config.api_key,
         block_size=config.block_size,
         cost_config=dict(config.cost_config),
+        stall_timeout_s=config.stall_timeout_s,
+        max_concurrent=config.max_concurrent,
+        drain_timeout_s=config.drain_timeout_s,
     )
 
 

@@ -17,6 +17,9 @@ GET /metrics, GET /v1/workers, DELETE /v1/sessions/{id}; admin: POST /v1/admin/w
 POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
 under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving worker, or
 "none"). With `config.api_key`, every /v1/* call needs `Authorization: Bearer <key>`.
+Completions and chat requests past `config.max_concurrent` in flight get 429 with
+`Retry-After` (`router.admission`); on shutdown the app waits up to `config.drain_timeout_s`
+for those in flight to end before it stops the workers' link.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import WorkerControl
+from router.admission import Admission
 from router.backends import Backend
 from router.config import RouterConfig
 from router.core import RoutingCore
@@ -65,8 +69,9 @@ def _json(obj: Any, status: int = 200, worker: str = "none") -> Response:
     return Response(body, status, {WORKER_HEADER: worker}, "application/json")
 
 
-def _error(exc: APIError) -> Response:
-    return Response(exc.body_bytes(), exc.status, {WORKER_HEADER: "none"}, "application/json")
+def _error(exc: APIError, headers: dict[str, str] | None = None) -> Response:
+    headers = {WORKER_HEADER: "none", **(headers or {})}
+    return Response(exc.body_bytes(), exc.status, headers, "application/json")
 
 
 class _Guard:
@@ -143,17 +148,21 @@ def create_app(
 ) -> FastAPI:
     """The router app over `backends`; see the module docstring for the whole contract."""
     router = Router(config, backends, control, tokenizer, core)
+    admission = Admission(config.max_concurrent, config.retry_after_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
         yield
+        # the server stopped taking requests; the ones in flight finish before the workers go
+        await admission.drained(config.drain_timeout_s)
         await router.stop()
 
     app = FastAPI(title="radixray", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
+    app.state.admission = admission
     _add_handlers(app, router)
-    _add_openai_routes(app, router)
+    _add_openai_routes(app, router, admission)
     _add_admin_routes(app, router)
     app.add_middleware(_Guard, router=router)
     return app
@@ -174,7 +183,7 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
         return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
-def _add_openai_routes(app: FastAPI, router: Router) -> None:
+def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> None:
     async def completions(request: Request) -> Response:
         await router.start()
         body, job = await _job(request, CompletionRequest, router.jobs.completion_job, router)
@@ -192,9 +201,38 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
             router, job, renderer, body.stream, body.include_usage(), "/v1/chat/completions"
         )
 
+    def admitted(handler: Callable[[Request], Any], endpoint: str) -> Callable[[Request], Any]:
+        """`handler` within the concurrency limit: 429 with `Retry-After` past it. The slot is
+        held until the response is sent in full (a stream's last byte), or the request fails."""
+
+        async def admit(request: Request) -> Response:
+            if not admission.enter():
+                router.metrics.rejected.inc()
+                router.metrics.requests.labels(endpoint, "429").inc()
+                return _error(
+                    admission.too_busy(), {"Retry-After": str(admission.retry_after_s)}
+                )
+            router.metrics.in_flight.set(admission.in_flight)
+            try:
+                response = await handler(request)
+            except BaseException:
+                _leave(router, admission)
+                raise
+            if isinstance(response, StreamingResponse):
+                response.body_iterator = _leaving(response.body_iterator, router, admission)
+            else:
+                _leave(router, admission)
+            return response
+
+        return admit
+
     # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_route(
+        "/v1/completions", admitted(completions, "/v1/completions"), methods=["POST"]
+    )
+    app.add_route(
+        "/v1/chat/completions", admitted(chat, "/v1/chat/completions"), methods=["POST"]
+    )
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -225,6 +263,24 @@ def _add_openai_routes(app: FastAPI, router: Router) -> None:
     async def close_session(session_id: str) -> Response:
         deleted = await router.close_session(session_id)
         return _json({"id": session_id, "object": "session", "deleted": deleted})
+
+
+def _leave(router: Router, admission: Admission) -> None:
+    admission.leave()
+    router.metrics.in_flight.set(admission.in_flight)
+
+
+async def _leaving(
+    body: AsyncIterator[bytes], router: Router, admission: Admission
+) -> AsyncIterator[bytes]:
+    """A stream's body that gives its admission slot back when it ends, however it ends."""
+    try:
+        async for part in body:
+            yield part
+    finally:
+        _leave(router, admission)
+        if hasattr(body, "aclose"):
+            await body.aclose()
 
 
 async def _serve(

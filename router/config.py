@@ -26,6 +26,14 @@ class RouterConfig:
         tokens (and never past the context).
     max_failovers: how many times one request may move to another worker after its worker
         failed (before or after the first token).
+    stall_timeout_s: a worker that sends a request nothing (no first token, no next token)
+        for this long, its polled stats unchanged meanwhile, is taken for hung: the request
+        fails over as from a dead worker, and the worker is marked dead (routed to again once
+        its probe answers). 0: no deadline.
+    max_concurrent: generation requests (completions, chat) in flight at once; one more gets
+        429 with `Retry-After: retry_after_s` instead of a queue without bound. 0: no limit.
+    retry_after_s: the `Retry-After` a 429 advises, in whole seconds.
+    drain_timeout_s: on shutdown (SIGTERM), how long in-flight requests may take to finish.
     block_size: tokens per hashed block; overridden by what the workers report.
     namespace: block-hash namespace of every request (a cache salt); None: the default.
     event_poll_s / stats_poll_s: how often KV events / worker stats are pulled.
@@ -43,6 +51,10 @@ class RouterConfig:
     max_n: int = 16
     default_chat_max_tokens: int = 1024
     max_failovers: int = 2
+    stall_timeout_s: float = 60.0
+    max_concurrent: int = 1024
+    retry_after_s: int = 1
+    drain_timeout_s: float = 30.0
     block_size: int = 16
     namespace: str | None = None
     event_poll_s: float = 0.05

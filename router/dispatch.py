@@ -7,6 +7,12 @@ sends the request to another worker with `resume_ids` = the tokens streamed so f
 prefills prompt + those tokens and continues, so the client's stream goes on. At most
 `max_failovers` moves per request. A worker found dead is purged from routing at once.
 
+A worker that sends a request nothing for `stall_timeout_s` (before its first token or
+between two) while its polled stats do not change either counts as dead the same way: a
+stopped process or a stuck kernel does not hold its requests forever. It is marked dead
+(purged from routing) and, like any dead worker, probed until it answers again, then re-added
+with a fresh snapshot of its cache.
+
 Load booked by `core.route` is released by exactly one `core.finish` per routed attempt, and
 each attempt is counted on its worker's record by one `begin` and one `end`.
 """
@@ -14,6 +20,7 @@ each attempt is counted on its worker's record by one `begin` and one `end`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -37,6 +44,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         max_failovers: int = 2,
         namespace: str | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.core = core
         self.registry: WorkerRegistry = core.registry
@@ -44,6 +52,10 @@ class Dispatcher:
         self.metrics = metrics
         self.max_failovers = max_failovers
         self.namespace = namespace
+        # None: the router's configured deadline (the workers' link carries the config)
+        if stall_timeout_s is None:
+            stall_timeout_s = workers.config.stall_timeout_s
+        self.stall_timeout_s = stall_timeout_s
 
     async def open(self, request: GenerateRequest, expected_output: int) -> Dispatch:
         """Routes and starts `request`; returns once its first chunk is in.
@@ -122,7 +134,7 @@ class Dispatch:
                 self._backend = self._route()
                 request = dataclasses.replace(self.request, resume_ids=list(self.tokens))
                 self._stream = self._backend.generate(request).__aiter__()
-                chunk = await self._stream.__anext__()
+                chunk = await self._receive()
                 if chunk.error and not chunk.token_ids:
                     raise BackendRequestError(chunk.error)
                 self.core.first_token(self.request.request_id)
@@ -132,6 +144,33 @@ class Dispatch:
             except BackendRequestError as exc:
                 self._release()
                 raise APIError(400, f"the worker rejected the request: {exc}") from exc
+
+    async def _receive(self) -> TokenChunk:
+        """The next chunk of the current attempt; `BackendDead` when the worker sends nothing
+        for `stall_timeout_s` and its stats did not change meanwhile (the stream is cancelled,
+        which aborts it on the worker). A worker whose polled stats move is working (this
+        request queued or preempted behind others), so the wait goes on."""
+        assert self._stream is not None
+        timeout = self.dispatcher.stall_timeout_s
+        if not timeout:
+            return await self._stream.__anext__()
+        pending = asyncio.ensure_future(self._stream.__anext__())
+        try:
+            while True:
+                seen = self._worker.stats if self._worker is not None else None
+                done, _ = await asyncio.wait({pending}, timeout=timeout)
+                if done:
+                    return pending.result()
+                now = self._worker.stats if self._worker is not None else None
+                if now is None or now == seen:
+                    break
+        finally:
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+        self.dispatcher.metrics.stalls.inc()
+        raise BackendDead(f"{self.worker_id}: sent nothing for {timeout:g} s")
 
     def _fail(self, exc: BaseException) -> None:
         """The current worker died: release its booking, purge it, count a failover."""
@@ -176,9 +215,8 @@ class Dispatch:
             chunk = await self._next()
 
     async def _next(self) -> TokenChunk:
-        assert self._stream is not None
         try:
-            chunk = await self._stream.__anext__()
+            chunk = await self._receive()
             if chunk.error and chunk.finish_reason is None:
                 chunk.finish_reason = "abort"
             return chunk

@@ -69,6 +69,17 @@ class RouterMetrics:
         self.failovers = Counter(
             "radixray_failovers", "requests moved off a failed worker", registry=r
         )
+        self.stalls = Counter(
+            "radixray_stalls",
+            "attempts whose worker sent nothing for the stall timeout",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "radixray_rejected", "requests answered 429 at the concurrency limit", registry=r
+        )
+        self.in_flight = Gauge(
+            "radixray_in_flight", "generation requests in flight on this router", registry=r
+        )
 
     def worker_joined(self, worker: object) -> None:
         """(Registry listener.) Series appear with the worker's first stats."""
