@@ -201,38 +201,9 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
             router, job, renderer, body.stream, body.include_usage(), "/v1/chat/completions"
         )
 
-    def admitted(handler: Callable[[Request], Any], endpoint: str) -> Callable[[Request], Any]:
-        """`handler` within the concurrency limit: 429 with `Retry-After` past it. The slot is
-        held until the response is sent in full (a stream's last byte), or the request fails."""
-
-        async def admit(request: Request) -> Response:
-            if not admission.enter():
-                router.metrics.rejected.inc()
-                router.metrics.requests.labels(endpoint, "429").inc()
-                return _error(
-                    admission.too_busy(), {"Retry-After": str(admission.retry_after_s)}
-                )
-            router.metrics.in_flight.set(admission.in_flight)
-            try:
-                response = await handler(request)
-            except BaseException:
-                _leave(router, admission)
-                raise
-            if isinstance(response, StreamingResponse):
-                response.body_iterator = _leaving(response.body_iterator, router, admission)
-            else:
-                _leave(router, admission)
-            return response
-
-        return admit
-
     # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
-    app.add_route(
-        "/v1/completions", admitted(completions, "/v1/completions"), methods=["POST"]
-    )
-    app.add_route(
-        "/v1/chat/completions", admitted(chat, "/v1/chat/completions"), methods=["POST"]
-    )
+    for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
+        app.add_route(path, _admitted(handler, path, router, admission), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -263,6 +234,32 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
     async def close_session(session_id: str) -> Response:
         deleted = await router.close_session(session_id)
         return _json({"id": session_id, "object": "session", "deleted": deleted})
+
+
+def _admitted(
+    handler: Callable[[Request], Any], endpoint: str, router: Router, admission: Admission
+) -> Callable[[Request], Any]:
+    """`handler` within the concurrency limit: 429 with `Retry-After` past it. The slot is
+    held until the response is sent in full (a stream's last byte), or the request fails."""
+
+    async def admit(request: Request) -> Response:
+        if not admission.enter():
+            router.metrics.rejected.inc()
+            router.metrics.requests.labels(endpoint, "429").inc()
+            return _error(admission.too_busy(), {"Retry-After": str(admission.retry_after_s)})
+        router.metrics.in_flight.set(admission.in_flight)
+        try:
+            response = await handler(request)
+        except BaseException:
+            _leave(router, admission)
+            raise
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = _leaving(response.body_iterator, router, admission)
+        else:
+            _leave(router, admission)
+        return response
+
+    return admit
 
 
 def _leave(router: Router, admission: Admission) -> None:
