@@ -91,7 +91,7 @@ def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subp
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
@@ -101,14 +101,16 @@ def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subp
 
 
 def start_radixray(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
-    # KV slots of the same bytes as vLLM's cache (float32 K and V, every layer)
+    # KV slots of the same bytes as vLLM's cache (K and V of every layer, in the run's dtype)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    per_token = 2 * 4 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim
+    itemsize = 4 if args.dtype == "float32" else 2
+    per_token = (2 * itemsize * config["num_hidden_layers"] * config["num_key_value_heads"]
+                 * head_dim)
     kv_tokens = int(args.kv_gib * (1 << 30) // per_token)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--workers", "1",
            "--cpus-per-worker", str(args.threads), "--num-cpus", str(args.threads + 1),
-           "--kv-tokens", str(kv_tokens), "--port", str(port)]
+           "--kv-tokens", str(kv_tokens), "--port", str(port), "--dtype", args.dtype]
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -222,6 +224,9 @@ def main() -> int:
                         help="python of the vLLM environment (default: $RADIXRAY_VLLM_PYTHON)")
     parser.add_argument("--only", choices=ENGINES, default=None, help="run one engine only")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without compiling")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="both engines' dtype (default: %(default)s, vLLM's own on a "
+                        "float32 checkpoint)")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per engine")
     parser.add_argument("--kv-gib", type=int, default=2, help="KV cache per engine (GiB)")
     parser.add_argument("--max-model-len", type=int, default=8192)
@@ -238,8 +243,8 @@ def main() -> int:
         parser.error("no vLLM environment: pass --vllm-python or set RADIXRAY_VLLM_PYTHON "
                      "(or --only radixray)")
     model_dir = build_model(args.model)
-    print(f"model {model_dir}; {args.threads} thread(s) per engine; {os.cpu_count()} CPUs here",
-          flush=True)
+    print(f"model {model_dir}; {args.dtype}; {args.threads} thread(s) per engine; "
+          f"{os.cpu_count()} CPUs here", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="engine-vs-vllm-"))
     results = {name: run_engine(name, args, model_dir, log_dir) for name in engines}
     checks = report(results)

@@ -56,8 +56,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--device", choices=DEVICES, default=d["device"].default,
                        help="auto: cuda when the Ray cluster has GPUs, else cpu "
                        "(default: %(default)s)")
-    model.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                       help="weights and KV precision (default: the checkpoint's)")
+    model.add_argument("--dtype", default=d["dtype"].default,
+                       choices=("auto", "float32", "bfloat16", "float16"),
+                       help="weights and KV precision; auto: the checkpoint's, a float32 one in "
+                       "bfloat16 where the CPU or GPU computes bf16 natively (default: "
+                       "%(default)s)")
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
                        help="attention backend: native, torch (reference), triton, flashinfer "
                        "(default: %(default)s)")

@@ -18,6 +18,7 @@ from worker.compiled import compile_model
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner
+from worker.models.loader import resolve_dtype
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 from worker.request import Request, Status
 from worker.sampling import sample, stop_ids
@@ -30,7 +31,9 @@ from worker.validate import validate_request
 class EngineConfig:
     model: str = "tiny"  # built-in name or HF model directory
     device: str = "cpu"
-    dtype: str | None = None  # "float32" | "bfloat16" | "float16"; None: the checkpoint's
+    # "float32" | "bfloat16" | "float16"; "auto": the checkpoint's, float32 served in bfloat16
+    # where the device computes bf16 natively (vLLM's rule, `auto_dtype`); None: the checkpoint's
+    dtype: str | None = None
     attention: str = "native"  # "native" | "torch" (reference) | "triton" | "flashinfer"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
     page_size: int = 1
@@ -68,7 +71,8 @@ class Engine:
         self.config = config
         self.worker_id = worker_id
         self.device = torch.device(config.device)
-        self.runner = ModelRunner(config.model, self.device, config.dtype, config.attention)
+        dtype = resolve_dtype(config.model, config.dtype, self.device)
+        self.runner = ModelRunner(config.model, self.device, dtype, config.attention)
         self.model = self.runner.model
         if config.compile:
             compile_model(self.model)

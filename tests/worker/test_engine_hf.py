@@ -54,7 +54,7 @@ def test_greedy_outputs_match_hf_generate_through_cache_and_batching(hf_dir):
                 pad_token_id=0,
             )
         expected.append(out[0, len(p) :].tolist())
-    engine = Engine(EngineConfig(model=hf_dir, kv_tokens=1024, prefill_budget=16))
+    engine = Engine(EngineConfig(model=hf_dir, dtype="float32", kv_tokens=1024, prefill_budget=16))
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for rnd in range(2):  # the second round hits the cache
         reqs = [GenerateRequest(f"{rnd}-{i}", p, sp) for i, p in enumerate(prompts)]

@@ -85,7 +85,7 @@ def tiny_case():
 def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget):
     prompts, expected = tiny_case
     config = EngineConfig(
-        model="tiny", kv_tokens=4096, page_size=page_size, attention=attention,
+        model="tiny", dtype="float32", kv_tokens=4096, page_size=page_size, attention=attention,
         prefill_budget=budget,
     )  # fmt: skip
     engine = Engine(config)
@@ -98,7 +98,9 @@ def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget):
 
 def test_tiny_compiled_matches_hf(tiny_case):
     prompts, expected = tiny_case
-    engine = Engine(EngineConfig(model="tiny", kv_tokens=4096, page_size=16, compile=True))
+    engine = Engine(
+        EngineConfig(model="tiny", dtype="float32", kv_tokens=4096, page_size=16, compile=True)
+    )
     for rnd in range(2):
         assert [c.token_ids for c in engine_greedy(engine, prompts, 12, f"c{rnd}")] == expected
     assert all(k.active for k in engine.model.kernels)  # compiled for real, no fallback
@@ -110,7 +112,7 @@ def test_compile_failure_falls_back_to_eager(tiny_case, monkeypatch, caplog):
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
     prompts, expected = tiny_case
-    engine = Engine(EngineConfig(model="tiny", kv_tokens=4096, compile=True))
+    engine = Engine(EngineConfig(model="tiny", dtype="float32", kv_tokens=4096, compile=True))
     assert [c.token_ids for c in engine_greedy(engine, prompts, 12, "f")] == expected
     assert not any(k.active for k in engine.model.kernels)
     assert "running it eagerly" in caplog.text
@@ -154,7 +156,9 @@ def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size):
     paris = tok.decode(expected[0])
     assert "Paris" in paris, paris
     engine = Engine(
-        EngineConfig(model=path, kv_tokens=8192, page_size=page_size, prefill_budget=64)
+        EngineConfig(
+            model=path, dtype="float32", kv_tokens=8192, page_size=page_size, prefill_budget=64
+        )
     )
     for rnd in range(2):  # mixed lengths in one batch; then again over cached prefixes
         out = engine_greedy(engine, prompts, 24, f"chat{rnd}")
@@ -170,7 +174,9 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2):
     assert len(long) > 2048
     other = long[:2048] + chat(tok, "Which colour is item 11?")[-20:]
     expected = hf_greedy(hf, [long, other], 8)
-    engine = Engine(EngineConfig(model=path, kv_tokens=8192, page_size=16, prefill_budget=512))
+    engine = Engine(
+        EngineConfig(model=path, dtype="float32", kv_tokens=8192, page_size=16, prefill_budget=512)
+    )
     first = engine_greedy(engine, [long], 8, "long")[0]
     second = engine_greedy(engine, [other], 8, "other")[0]
     assert [first.token_ids, second.token_ids] == expected

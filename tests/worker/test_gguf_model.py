@@ -47,7 +47,9 @@ def engine_on_gguf(gguf_file, tmp_path_factory):
         mp.setenv("RADIXRAY_CACHE", str(tmp_path_factory.mktemp("cache")))
         before = torch.get_num_threads()
         torch.set_num_threads(1)  # a few CI cores shared with other work: one thread is faster
-        engine = Engine(EngineConfig(model=str(gguf_file), kv_tokens=4096, prefill_budget=64))
+        engine = Engine(EngineConfig(
+            model=str(gguf_file), dtype="float32", kv_tokens=4096, prefill_budget=64
+        ))
         converted = resolve_model(str(gguf_file))  # the cached conversion: no second convert
         assert converted.parent == cache_root() / "gguf"
         yield engine, converted

@@ -20,6 +20,47 @@ from worker.models.config import ModelConfig
 from worker.models.llama import CausalLM
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX-BF16 units).
+
+    Without them torch emulates bf16 matmuls through fp32, slower than fp32 itself.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_dtype(checkpoint: torch.dtype, device: str | torch.device) -> torch.dtype:
+    """The dtype `--dtype auto` runs a checkpoint of dtype `checkpoint` in on `device`.
+
+    vLLM's rule: a float32 checkpoint is served in bfloat16 where the device computes bf16
+    natively (a CUDA GPU that supports it, a CPU with `cpu_has_bf16`); any other checkpoint,
+    and float32 elsewhere, keeps its own dtype.
+    """
+    if checkpoint != torch.float32:
+        return checkpoint
+    kind = torch.device(device).type
+    if kind == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if kind == "cpu" and cpu_has_bf16():
+        return torch.bfloat16
+    return checkpoint
+
+
+def resolve_dtype(
+    model: str | Path, dtype: str | None, device: str | torch.device
+) -> torch.dtype | None:
+    """The torch dtype for a `--dtype` value: None keeps the checkpoint's, "auto" applies
+    `auto_dtype` to it, a name ("float32", "bfloat16", "float16") is that dtype."""
+    if dtype is None:
+        return None
+    if dtype == "auto":
+        return auto_dtype(ModelConfig.from_dir(resolve_model(str(model))).dtype, device)
+    return getattr(torch, dtype)
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
