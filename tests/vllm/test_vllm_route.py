@@ -223,8 +223,11 @@ def test_gap_is_filled_from_vllms_replay(router, engines):
         await stream.subscribed.wait()
         await asyncio.sleep(0.5)
         seen = backend.events.engine_seq
-        for seed in range(600, 610):  # until one lands on engine 0 and it publishes
-            await asyncio.to_thread(complete, router, prompt(seed, BLOCK + 5))
+        for seed in range(600, 610):  # straight to engine 0, until it publishes
+            await asyncio.to_thread(
+                requests.post, engine.url + "/v1/completions", timeout=120,
+                json={"model": str(engine.model), "prompt": prompt(seed, BLOCK + 5),
+                      "max_tokens": 4, "temperature": 0})
             await asyncio.sleep(0.3)
             if backend.events.engine_seq != seen:
                 break
