@@ -58,9 +58,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        "(default: %(default)s)")
     model.add_argument("--dtype", default=d["dtype"].default,
                        choices=("auto", "float32", "bfloat16", "float16"),
-                       help="weights and KV precision; auto: the checkpoint's, a float32 one in "
-                       "bfloat16 where the CPU or GPU computes bf16 natively (default: "
-                       "%(default)s)")
+                       help="weights and KV precision (default: the checkpoint's); auto: a "
+                       "float32 checkpoint in bfloat16 where the CPU or GPU computes bf16 "
+                       "natively, as vLLM does")
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
                        help="attention backend: native, torch (reference), triton, flashinfer "
                        "(default: %(default)s)")

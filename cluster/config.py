@@ -48,9 +48,11 @@ class ClusterConfig:
     # CPUs when it has fewer than workers (`worker_cpus`)
     cpus_per_worker: float | None = None
     device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
-    # "auto": the checkpoint's, a float32 one served in bfloat16 where the device computes bf16
-    # natively (vLLM's rule: `worker.models.loader.auto_dtype`); or float32, bfloat16, float16
-    dtype: str | None = "auto"
+    # None: the checkpoint's. "auto": the checkpoint's, but a float32 one served in bfloat16 where
+    # the device computes bf16 natively (vLLM's rule: `worker.models.loader.auto_dtype`; faster,
+    # but greedy text may then differ between a cache hit and a recompute). Or float32, bfloat16,
+    # float16.
+    dtype: str | None = None
     attention: str = "native"  # attention backend of the engine (worker.attention)
     host: str = "127.0.0.1"
     port: int = 8000
