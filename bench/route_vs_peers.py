@@ -34,22 +34,11 @@ from cluster.loadgen.runner import RunConfig, run
 from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, trace_workload
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
+from live_router_compare import wait_http  # noqa: E402  (bench/, the script's folder)
 from vllm_server import VllmServer, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
-
-
-def wait_http(url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def finished_requests(url: str) -> int:
