@@ -20,7 +20,6 @@ each attempt is counted on its worker's record by one `begin` and one `end`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -31,7 +30,7 @@ from router.errors import APIError, no_workers
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry, WorkerState
 from router.workers import WorkerSync
-from worker.protocol import GenerateRequest, TokenChunk
+from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 
 class Dispatcher:
@@ -63,7 +62,11 @@ class Dispatcher:
         Raises APIError: 503 when no worker can take it, 400 when the worker rejects it.
         """
         run = Dispatch(self, request, expected_output)
-        await run.start()
+        try:
+            await run.start()
+        except BaseException:
+            run._disarm()
+            raise
         return run
 
 
@@ -90,6 +93,13 @@ class Dispatch:
         self._first: TokenChunk | None = None
         self._routed = False
         self._resumed = False  # a failover happened after the first token
+        # the stall watchdog (`_receive`, `_check`): its timer, the task waiting for a chunk
+        # (None between waits), when that wait began and the worker's stats then
+        self._watch: asyncio.TimerHandle | None = None
+        self._waiter: asyncio.Task | None = None
+        self._since = 0.0
+        self._seen: WorkerStats | None = None
+        self._stalled = False  # `_check` cancelled the wait
 
     async def start(self) -> None:
         self._first = await self._attempt()
@@ -149,28 +159,61 @@ class Dispatch:
         """The next chunk of the current attempt; `BackendDead` when the worker sends nothing
         for `stall_timeout_s` and its stats did not change meanwhile (the stream is cancelled,
         which aborts it on the worker). A worker whose polled stats move is working (this
-        request queued or preempted behind others), so the wait goes on."""
+        request queued or preempted behind others), so the wait goes on.
+
+        One timer per request watches the waits (`_check`): a chunk only records when its wait
+        began, so the deadline costs a chunk no task and no timer of its own.
+        """
         assert self._stream is not None
         timeout = self.dispatcher.stall_timeout_s
         if not timeout:
             return await self._stream.__anext__()
-        pending = asyncio.ensure_future(self._stream.__anext__())
+        loop = asyncio.get_running_loop()
+        self._since = loop.time()
+        self._seen = self._worker.stats if self._worker is not None else None
+        if self._watch is None:
+            self._watch = loop.call_at(self._since + timeout, self._check)
+        task = self._waiter = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
         try:
-            while True:
-                seen = self._worker.stats if self._worker is not None else None
-                done, _ = await asyncio.wait({pending}, timeout=timeout)
-                if done:
-                    return pending.result()
-                now = self._worker.stats if self._worker is not None else None
-                if now is None or now == seen:
-                    break
+            return await self._stream.__anext__()
+        except asyncio.CancelledError:
+            stalled, self._stalled = self._stalled, False
+            # a cancel from elsewhere (the client left) stays a cancel, as in asyncio.timeout
+            if not stalled or task.uncancel() > cancelling:
+                raise
         finally:
-            if not pending.done():
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
+            self._waiter = None
         self.dispatcher.metrics.stalls.inc()
         raise BackendDead(f"{self.worker_id}: sent nothing for {timeout:g} s")
+
+    def _check(self) -> None:
+        """The watchdog's timer: cancels the wait in `_receive` once it has lasted
+        `stall_timeout_s` with the worker's stats unchanged since the wait (or the last change)
+        began; otherwise sleeps until the wait could have lasted that long. Between waits it
+        lapses, and the next `_receive` arms it again."""
+        self._watch = None
+        task = self._waiter
+        if task is None or self.finished:
+            return
+        loop = asyncio.get_running_loop()
+        now, timeout = loop.time(), self.dispatcher.stall_timeout_s
+        if now < self._since + timeout:
+            self._watch = loop.call_at(self._since + timeout, self._check)
+            return
+        stats = self._worker.stats if self._worker is not None else None
+        if stats is not None and stats != self._seen:  # working on others: wait on
+            self._since, self._seen = now, stats
+            self._watch = loop.call_at(now + timeout, self._check)
+            return
+        self._stalled = True
+        task.cancel()
+
+    def _disarm(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     def _fail(self, exc: BaseException) -> None:
         """The current worker died: release its booking, purge it, count a failover."""
@@ -227,10 +270,12 @@ class Dispatch:
 
     def _finish(self) -> None:
         self.finished = True
+        self._disarm()
         self._release(self.cached_tokens)
 
     async def close(self) -> None:
         """Ends the request: aborts it on the worker if it is still running there."""
+        self._disarm()
         if not self.finished and self._backend is not None:
             backend, rid = self._backend, self.request.request_id
             self._release()

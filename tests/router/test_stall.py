@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
+import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -16,8 +19,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.app import create_app  # noqa: E402
+from router.backends import BackendDead  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.dispatch import Dispatch  # noqa: E402
+from router.metrics import RouterMetrics  # noqa: E402
+from router.registry import WorkerState  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
+from worker.protocol import EngineShape, GenerateRequest, TokenChunk  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "wait for me", "max_tokens": 8, "ignore_eos": True}
 
@@ -88,3 +96,62 @@ def test_busy_worker_whose_stats_move_is_waited_for(tokenizer):
     assert reply.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
     assert set(states.values()) == {"ready"}
     assert "radixray_stalls_total 0.0" in metrics
+
+
+def test_slow_stream_whose_gaps_stay_under_the_deadline_is_not_a_stall(tokenizer):
+    # 8 tokens 0.3 s apart: 2.1 s in all, 4 times the deadline, but no single wait reaches it
+    workers = [FakeWorker("w0", delay_s=0.3)]
+    config = RouterConfig(model="tiny", stats_poll_s=0.05, stall_timeout_s=0.5, revive_s=3600)
+    app = create_app(config, workers, tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        reply = httpx.post(server.url + "/v1/completions", json=BODY, timeout=20)
+        metrics = httpx.get(server.url + "/metrics").text
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+    assert "radixray_stalls_total 0.0" in metrics and "radixray_failovers_total 0.0" in metrics
+
+
+def waiting_dispatch(stall_timeout_s: float) -> Dispatch:
+    """A Dispatch mid-attempt on a worker that never sends (no routing core involved)."""
+
+    async def silent() -> AsyncIterator[TokenChunk]:
+        await asyncio.Event().wait()
+        yield TokenChunk("r", [1], None)
+
+    owner = SimpleNamespace(metrics=RouterMetrics(), stall_timeout_s=stall_timeout_s, core=None,
+                            registry=None)
+    run = Dispatch(owner, GenerateRequest("r", [1, 2, 3]), 4)  # type: ignore[arg-type]
+    run.worker_id, run._worker = "w0", WorkerState("w0", EngineShape())
+    run._stream = silent().__aiter__()
+    return run
+
+
+def test_a_cancelled_wait_stays_a_cancel_and_is_no_stall():
+    async def main():
+        run = waiting_dispatch(0.2)
+        waiting = asyncio.create_task(run._receive())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0.3)  # past the deadline: the watchdog has nothing to cancel
+        await run.close()
+        return run.dispatcher.metrics.stalls._value.get()
+
+    assert asyncio.run(main()) == 0
+
+
+def test_a_silent_wait_ends_at_the_deadline_and_the_task_is_not_left_cancelled():
+    async def main():
+        run = waiting_dispatch(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(BackendDead):
+            await run._receive()
+        waited = time.monotonic() - t0
+        cancelling = asyncio.current_task().cancelling()
+        await asyncio.sleep(0)  # a task left cancelled would raise here
+        await run.close()
+        return waited, cancelling, run.dispatcher.metrics.stalls._value.get()
+
+    waited, cancelling, stalls = asyncio.run(main())
+    assert waited >= 0.2 and cancelling == 0 and stalls == 1
