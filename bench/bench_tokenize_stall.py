@@ -3,8 +3,8 @@
 A heartbeat task on the loop wakes every 1 ms and records its longest gap while a prompt is
 tokenized three ways: inline on the loop (the router before commit "router: tokenize long
 prompts off the event loop"), on a worker thread with `encode` (holds the GIL: the loop still
-stalls), and as the router does now (`Tokenizer.encode` on a worker thread; long texts use
-`encode_batch`, which releases the GIL). Every other stream the router serves waits that long.
+stalls), and as the router does now (`Tokenizer.encode`, i.e. `encode_batch`, which releases
+the GIL, on a worker thread). Every other stream the router serves waits that long.
 
     python bench/bench_tokenize_stall.py [--runs 5]
 """

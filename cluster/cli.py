@@ -107,6 +107,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=d["drain_timeout_s"].default,
                         help="on Ctrl-C / SIGTERM, how long requests in flight may take to "
                         "finish (default: %(default)s)")
+    router.add_argument("--tokenize-threads", type=int, metavar="N",
+                        default=d["tokenize_threads"].default,
+                        help="threads per router replica that parse and tokenize requests off "
+                        "the event loop (0: on the loop; default: %(default)s)")
     ray_group = parser.add_argument_group("Ray")
     ray_group.add_argument("--address", default=None, metavar="ADDR",
                            help="join this Ray cluster ('auto' on a node started with "

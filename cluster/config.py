@@ -76,6 +76,7 @@ class ClusterConfig:
     stall_timeout_s: float = RouterConfig.stall_timeout_s
     max_concurrent: int = RouterConfig.max_concurrent
     drain_timeout_s: float = RouterConfig.drain_timeout_s
+    tokenize_threads: int = RouterConfig.tokenize_threads
 
     def __post_init__(self) -> None:
         if self.api_key is None:

@@ -127,6 +127,7 @@ def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:
         stall_timeout_s=config.stall_timeout_s,
         max_concurrent=config.max_concurrent,
         drain_timeout_s=config.drain_timeout_s,
+        tokenize_threads=config.tokenize_threads,
     )
 
 

@@ -24,7 +24,6 @@ for those in flight to end before it stops the workers' link.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -48,7 +47,6 @@ from router.service import Router
 from router.tokenizer import Tokenizer
 
 WORKER_HEADER = "X-Radixray-Worker"
-OFFLOAD_BYTES = 8_192  # request bodies this large are parsed and tokenized off the loop
 
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/workers", "/health"}
@@ -127,15 +125,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
 async def _job(
     request: Request, cls: type, make: Callable[[Any, str | None], Job], router: Router
 ) -> tuple[Any, Job]:
-    """The parsed body and its job. A body of `OFFLOAD_BYTES` or more is parsed and tokenized
-    on a worker thread (long texts release the GIL), so the loop goes on streaming meanwhile."""
+    """The parsed body and its job, built on the router's tokenize threads (`off_loop`), so
+    the loop goes on streaming meanwhile."""
     raw = await _read_body(request, router.config.max_body_bytes)
+    session_id = request.headers.get("x-session-id")
 
     def build() -> tuple[Any, Job]:
         body = parse_body(cls, raw)
-        return body, make(body, request.headers.get("x-session-id"))
+        return body, make(body, session_id)
 
-    return await asyncio.to_thread(build) if len(raw) >= OFFLOAD_BYTES else build()
+    return await router.off_loop(build)
 
 
 def create_app(

@@ -33,6 +33,9 @@ class RouterConfig:
     max_concurrent: generation requests (completions, chat) in flight at once; one more gets
         429 with `Retry-After: retry_after_s` instead of a queue without bound. 0: no limit.
     retry_after_s: the `Retry-After` a 429 advises, in whole seconds.
+    tokenize_threads: threads that parse request bodies, render chat templates and tokenize
+        prompts, so none of it runs on the event loop; the tokenizer releases the GIL while
+        it encodes, so prompts are tokenized on more than one core. 0: all on the loop.
     drain_timeout_s: on shutdown (SIGTERM), how long in-flight requests may take to finish.
     block_size: tokens per hashed block; overridden by what the workers report.
     namespace: block-hash namespace of every request (a cache salt); None: the default.
@@ -54,6 +57,7 @@ class RouterConfig:
     stall_timeout_s: float = 60.0
     max_concurrent: int = 1024
     retry_after_s: int = 1
+    tokenize_threads: int = 2
     drain_timeout_s: float = 30.0
     block_size: int = 16
     namespace: str | None = None

@@ -8,7 +8,9 @@ request builder (`router.jobs`) and the admin verbs (`router.admin`); and it clo
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from router.admin import WorkerAdmin, WorkerControl
 from router.backends import Backend
@@ -20,6 +22,8 @@ from router.metrics import RouterMetrics
 from router.policies import PolicyConfig
 from router.tokenizer import Tokenizer
 from router.workers import WorkerSync
+
+T = TypeVar("T")
 
 
 class Router:
@@ -53,6 +57,10 @@ class Router:
         )
         self.jobs = JobBuilder(config, self.tokenizer, self.registry)
         self.admin = WorkerAdmin(self.registry, self.workers, control)
+        threads = config.tokenize_threads
+        self._tokenize = (
+            ThreadPoolExecutor(threads, thread_name_prefix="radixray-tokenize") if threads else None
+        )
         self._initial = list(backends)
         self._started: asyncio.Task | None = None
 
@@ -71,6 +79,17 @@ class Router:
 
     async def stop(self) -> None:
         await self.workers.stop()
+        if self._tokenize is not None:
+            self._tokenize.shutdown(wait=False)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    async def off_loop(self, build: Callable[[], T]) -> T:
+        """`build()` (parse a body, render, tokenize) on the tokenize threads, or on the loop
+        when there are none (`tokenize_threads` = 0); its exceptions reach the caller alike."""
+        if self._tokenize is None:
+            return build()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, build)
 
     # --- sessions ---------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""Long prompts: their bodies are parsed and tokenized on a worker thread, not on the event
-loop, with the same token ids, and their errors still come back in the OpenAI format."""
+"""Request bodies are parsed and tokenized on the router's tokenize threads, not on the event
+loop (on the loop when `tokenize_threads` is 0), with the same token ids, and their errors
+still come back in the OpenAI format."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
-from router.app import OFFLOAD_BYTES, create_app  # noqa: E402
+from router.app import create_app  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.tokenizer import LONG_TEXT_CHARS, Tokenizer  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 
 LONG = " ".join(f"word{i % 997} and {i % 13}" for i in range(6000))  # ~90 KB
-assert len(LONG) > max(OFFLOAD_BYTES, LONG_TEXT_CHARS)
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +26,11 @@ def tokenizer() -> Tokenizer:
     return Tokenizer(tiny_dir())
 
 
-@pytest.fixture(scope="module")
-def live(tokenizer):
+@pytest.fixture(scope="module", params=[2, 0], ids=["threads", "on-the-loop"])
+def live(tokenizer, request):
     workers = [FakeWorker("w0", max_context=1 << 16), FakeWorker("w1", max_context=1 << 16)]
-    app = create_app(RouterConfig(model="tiny"), workers, tokenizer=tokenizer)
+    config = RouterConfig(model="tiny", tokenize_threads=request.param)
+    app = create_app(config, workers, tokenizer=tokenizer)
     router = app.state.router
     threads: list[str] = []
     build = router.jobs.completion_job
@@ -41,6 +42,7 @@ def live(tokenizer):
     router.jobs.completion_job = recording
     with LiveServer(app) as server:
         server.threads = threads
+        server.off_loop = request.param > 0
         yield server
 
 
@@ -49,7 +51,7 @@ def test_long_texts_tokenize_to_the_same_ids(tokenizer) -> None:
     assert tokenizer.encode_plain(LONG) == tokenizer.hf.encode(LONG, add_special_tokens=False)
 
 
-def test_a_long_prompt_is_tokenized_off_the_loop(live, tokenizer) -> None:
+def test_every_prompt_is_tokenized_on_the_tokenize_threads(live, tokenizer) -> None:
     def complete(prompt: str) -> dict:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 3}
         resp = httpx.post(live.url + "/v1/completions", json=body, timeout=60)
@@ -60,16 +62,19 @@ def test_a_long_prompt_is_tokenized_off_the_loop(live, tokenizer) -> None:
     long = complete(LONG)
     assert long["usage"]["prompt_tokens"] == len(tokenizer.encode(LONG))
     assert short["usage"]["prompt_tokens"] == len(tokenizer.encode("a short prompt"))
-    loop_thread, worker_thread = live.threads[-2:]
-    assert loop_thread != worker_thread  # the short one on the loop, the long one elsewhere
-    assert worker_thread.startswith("asyncio")  # the loop's default executor
+    short_thread, long_thread = live.threads[-2:]
+    if live.off_loop:
+        assert short_thread.startswith("radixray-tokenize")
+        assert long_thread.startswith("radixray-tokenize")
+    else:
+        assert short_thread == long_thread == live.thread.name  # the thread running the loop
 
 
 def test_a_bad_long_request_gets_an_openai_error(live) -> None:
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": LONG}],
-        "top_logprobs": 2,  # without logprobs: rejected while the job is built, off the loop
+        "top_logprobs": 2,  # without logprobs: rejected while the job is built
     }
     resp = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 400
