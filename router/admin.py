@@ -70,6 +70,9 @@ class WorkerAdmin:
             }
             row.update({k: getattr(stats, k, 0) if stats else 0 for k in _WORKER_KEYS})
             row["max_context"] = worker.shape.max_context
+            # this router's view of the worker's cache: equal on two routers that agree
+            blocks, digest = self.workers.core.index.confirmed(worker.worker_id)
+            row["index_blocks"], row["index_digest"] = blocks, f"{digest & (1 << 64) - 1:016x}"
             out.append(row)
         return out
 

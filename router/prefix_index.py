@@ -92,6 +92,20 @@ class PrefixIndex:
         worker = self._workers.get(worker_id)
         return 0 if worker is None else len(worker.tiers[medium])
 
+    def confirmed(self, worker_id: str) -> tuple[int, int]:
+        """(count, XOR) of the device blocks the worker's events stored, without the entries
+        routing guessed: two routers that applied the same events give the same pair (the
+        admin's `index_blocks` / `index_digest`, to see that replicas' indexes agree)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return 0, 0
+        count, digest = 0, 0
+        for h in worker.tiers[DEVICE]:
+            if h not in worker.pending:
+                count += 1
+                digest ^= h
+        return count, digest
+
     def holds(self, worker_id: str, block_hash: int, medium: str = DEVICE) -> bool:
         worker = self._workers.get(worker_id)
         return worker is not None and block_hash in worker.tiers[medium]

@@ -124,3 +124,18 @@ def test_memory_bound_evicts_least_recently_used(clock: Clock) -> None:
 def test_events_of_unknown_workers_are_ignored(index: PrefixIndex) -> None:
     index.apply("zz", [BlockStored(PROMPT, None)])
     assert len(index) == 0
+
+
+def test_confirmed_pair_counts_event_blocks_only_in_any_order(clock: Clock) -> None:
+    one, two = (PrefixIndex(IndexConfig(max_blocks=1000, optimistic_ttl_s=10.0), clock)
+                for _ in range(2))
+    for idx in (one, two):
+        idx.add_worker("a")
+    one.apply("a", [BlockStored(PROMPT[:4], None), BlockStored(OTHER[:2], None)])
+    two.apply("a", [BlockStored(OTHER[:2], None), BlockStored(PROMPT[:4], None)])
+    one.record_route("a", PROMPT)  # the 6 guessed blocks are this router's own
+    assert one.confirmed("a") == two.confirmed("a")
+    assert one.confirmed("a")[0] == 6
+    two.apply("a", [BlockRemoved(OTHER[1:2])])
+    assert two.confirmed("a")[0] == 5 and two.confirmed("a") != one.confirmed("a")
+    assert one.confirmed("nobody") == (0, 0)
