@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,7 +186,9 @@ class VllmWorker:
         self.worker_id = worker_id
         self.host = ray.util.get_node_ip_address()
         self.log_path = Path(tempfile.gettempdir()) / f"radixray-vllm-{worker_id}-{os.getpid()}.log"
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray's own property reads a deprecated one
+            warnings.simplefilter("ignore")
+            self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
         self.ports: VllmPorts | None = None
         self.serving = threading.Event()
         self.failure: str | None = None

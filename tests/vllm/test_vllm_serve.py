@@ -192,9 +192,9 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
             server.send_signal(signal.SIGKILL)
     assert killed is not None
     assert usage.completion_tokens == 300  # the stream finished on the other worker
-    after = [t - t_kill for t in arrivals if t > t_kill]
-    print(f"\nfailover: first token after the kill {after[0]:.2f}s, stream done "
-          f"{arrivals[-1] - t_kill:.2f}s after the kill")
+    gap = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > t_kill)
+    print(f"\nfailover: longest wait between two chunks after the kill {gap:.2f}s, stream "
+          f"done {arrivals[-1] - t_kill:.2f}s after the kill")
 
     # no orphan: the server's engine processes went with it
     wait_for(lambda: not any(p.is_running() for p in group), 30, "the old vLLM processes to go")
@@ -206,8 +206,9 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
 
     def back() -> bool:
         new = vllm_server(mark, killed)
+        # (between the old backend's detach and the new one's join it is briefly not listed)
         return (new is not None and new.pid != server.pid
-                and workers(url)[killed]["state"] == "ready")
+                and workers(url).get(killed, {}).get("state") == "ready")
     wait_for(back, 600, f"{killed} to restart and rejoin")
     print(f"restart: {killed} serves again {time.monotonic() - t_kill:.1f}s after the kill")
 
