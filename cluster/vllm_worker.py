@@ -145,9 +145,9 @@ def free_ports(count: int) -> list[int]:
 class Reaped:
     """`cmd` run under the reaper (`REAPER`), in a process group of its own, output to `log`.
 
-    The group lives no longer than this process (or than `close()`): nothing of it is left
-    behind. `exited()` polls; `wait()` returns the command's exit status once the whole group
-    is gone ("killed" when the reaper itself was)."""
+    The group lives no longer than the command, this process, or `close()`: nothing of it is
+    left behind. `exited()` polls; `wait()` returns the command's exit status once the reaper
+    has killed the group ("killed" when the reaper itself was killed)."""
 
     def __init__(self, python: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
         life, self._life = os.pipe()  # only this process holds the write end
@@ -168,7 +168,7 @@ class Reaped:
 
     def wait(self) -> str:
         status = b""
-        while chunk := os.read(self._report, 64):  # EOF: the reaper is gone, and its group
+        while chunk := os.read(self._report, 64):  # EOF: the reaper is gone
             status += chunk
         return status.decode() or "killed"
 

@@ -1,5 +1,7 @@
 """`radixray serve --engine vllm`: the real command, its fleet of two vLLM workers on a local
-Ray, answering through the `openai` client; then one worker's vLLM killed with SIGKILL.
+Ray, answering through the `openai` client; then one worker's vLLM killed with SIGKILL (the
+stream on it fails over, the worker restarts empty), the other drained live, and the cluster
+stopped: no vLLM process is left at any step.
 
 One cluster for the module (two vLLM start-ups cost a minute or more on a small machine). The
 tests run in order: the last one kills a vLLM server and stops the cluster.
@@ -237,6 +239,15 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
         model=cluster.model, prompt=probe, max_tokens=2, temperature=0)
     assert raw.headers["x-radixray-worker"] == killed
     assert raw.parse().usage.prompt_tokens_details.cached_tokens == 2 * BLOCK
+
+    # a live drain removes the other worker: its vLLM processes go, the restarted one serves on
+    drained = requests.post(f"{url}/v1/workers/{other}/drain", timeout=120)
+    assert drained.json() == {"id": other, "state": "removed"}, drained.text
+    assert sorted(workers(url)) == [killed]
+    wait_for(lambda: not [p for p in marked(mark)
+                          if p.environ().get("RADIXRAY_WORKER_ID") == other],
+             30, f"{other}'s vLLM processes to exit")
+    assert send(prompt(500, BLOCK)) == killed
 
     # stopping the cluster stops every vLLM process
     cluster.proc.send_signal(signal.SIGTERM)
