@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -19,6 +20,8 @@ from cluster.cli import build_parser
 from cluster.config import VLLM_PYTHON_ENV, ClusterConfig
 from cluster.vllm_worker import Reaped, VllmConfig, VllmPorts
 from cluster.worker_pool import engine_config
+
+REPO = Path(__file__).parents[2]
 
 # a server that starts a child (its "engine core") and runs until killed
 SERVER = textwrap.dedent("""
@@ -129,7 +132,7 @@ def test_nothing_outlives_the_process_that_started_it(tmp_path):
         time.sleep(300)
     """)
     owner = subprocess.Popen([sys.executable, "-c", owner_code], stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     pgid = int(owner.stdout.readline())
     wait_until(lambda: len(group(pgid)) == 3)
     owner.kill()

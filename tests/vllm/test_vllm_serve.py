@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,8 +99,13 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-serve")
     model = vllm_model_dir(root)
     port = free_port()
+    # the cluster's temporary files (Ray's session, the vLLM servers' logs) in a short-named
+    # folder of its own (Ray's socket paths must stay short), removed at the end; the vLLM
+    # logs are kept beside the test's other files
+    scratch = tempfile.mkdtemp(prefix="rr-vllm-", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), RADIXRAY_VLLM_PYTHON=python,
-               VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", **{MARK: str(root)})
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", TMPDIR=scratch,
+               **{MARK: str(root)})
     env.pop("RADIXRAY_API_KEY", None)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--engine", "vllm", "--model",
            str(model), "--workers", "2", "--num-cpus", "2", "--port", str(port),
@@ -129,6 +136,9 @@ def cluster(tmp_path_factory):
                 proc.wait(30)
         for left in marked(str(root)):  # never leave a vLLM behind, whatever failed
             left.kill()
+        for vllm_log in Path(scratch).glob("radixray-vllm-*.log"):
+            shutil.copy(vllm_log, root)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_serve_engine_vllm_answers_through_openai(cluster):
