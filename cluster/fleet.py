@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
+from cluster.vllm_worker import VllmConfig
 from cluster.worker_pool import WorkerPool, engine_config
 from worker.engine import EngineConfig
 
@@ -36,13 +37,15 @@ log = logging.getLogger("radixray.cluster")
 @dataclass
 class Member:
     """One worker as the fleet reports it to routers: `state` is loading, ready or down (dead
-    until Ray restarts it; `restarts` counts how often it came back, each time empty)."""
+    until Ray restarts it; `restarts` counts how often it came back, each time empty).
+    `endpoints`: where a vLLM worker serves (`{"url", "events", "replay"}`), None for ours."""
 
     worker_id: str
     actor: Any
     state: str
     restarts: int
     slot: Slot
+    endpoints: dict | None = None
 
 
 class FleetActor:
@@ -85,7 +88,7 @@ class FleetActor:
     def members(self) -> tuple[int, list[Member]]:
         """(version, every worker) now."""
         return self.version, [
-            Member(w.worker_id, w.actor, w.state, w.restarts, w.slot)
+            Member(w.worker_id, w.actor, w.state, w.restarts, w.slot, w.endpoints)
             for w in self.pool.workers.values()
         ]
 
@@ -111,7 +114,7 @@ class FleetActor:
         await self.pool.remove(worker_id)
         return True
 
-    def engine(self) -> EngineConfig:
+    def engine(self) -> EngineConfig | VllmConfig:
         """The engine config every worker of this fleet runs."""
         return self.pool.engine
 

@@ -66,7 +66,8 @@ class Launcher:
             device = self.config.resolve_device(gpus)
             count = self.config.resolve_workers(device, gpus)
             model_dir = resolve_model(self.config.model)  # a built-in model is generated here
-            self.echo(f"radixray: {count} {device} worker(s) of {self.config.model} ({model_dir})")
+            self.echo(f"radixray: {count} {device} {self.config.engine} worker(s) of "
+                      f"{self.config.model} ({model_dir})")
             bundle = self.config.bundle(device, self._worker_cpus(device, count))
             self.fleet = create_fleet(self.config, device, bundle, fixed=self._local_ray)
             starting = self.fleet.start.remote(count)

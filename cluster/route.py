@@ -90,6 +90,17 @@ def parse_worker(text: str) -> WorkerSpec:
     return worker_spec(url, keys.get("events"), keys.get("replay"))
 
 
+def spec_backend(spec: WorkerSpec, worker_id: str, block_size: int | None,
+                 api_key: str | None) -> HttpBackend:
+    """The router's backend of one engine, following its KV events where it publishes them
+    (hashed at `block_size`; None: the engine's own block size)."""
+    events = None
+    if spec.events is not None:
+        events = EngineEventsConfig(spec.events, spec.replay)
+    return HttpBackend(worker_id, spec.url, api_key=api_key, events=events,
+                       block_size=block_size)
+
+
 class ExternalWorkers:
     """The router's control over external engines: it makes their backends (the router's
     registry then holds them).
@@ -104,11 +115,7 @@ class ExternalWorkers:
         self.api_key = api_key
 
     def backend(self, spec: WorkerSpec) -> HttpBackend:
-        events = None
-        if spec.events is not None:
-            events = EngineEventsConfig(spec.events, spec.replay)
-        return HttpBackend(spec.worker_id, spec.url, api_key=self.api_key, events=events,
-                           block_size=self.block_size)
+        return spec_backend(spec, spec.worker_id, self.block_size, self.api_key)
 
     def add_worker(self) -> Backend:
         raise bad_request('radixray route adds engines by address: POST /v1/workers with '

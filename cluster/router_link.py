@@ -7,10 +7,13 @@ that starts or restarts rebuilds its index from the workers), then follows the f
 poll (`FleetActor.changes`) on its own event loop:
 
 - a member it has not seen becomes ready (added by any router, or by the fleet's start): it
-  is attached (its snapshot, then its events);
+  is attached (its snapshot, then its events). Our engine's workers are reached through Ray
+  (`RayBackend`); vLLM workers over HTTP at their `endpoints`, their KV events followed on ZMQ
+  (`HttpBackend`, made as `radixray route` makes it);
 - a member turns `down` (the fleet's watcher found the actor dead): the router stops routing
   to it and purges its index entries at once (its in-flight requests fail over on their own),
-  then probes it and re-adds it, empty, when Ray has restarted it;
+  then probes it and re-adds it, empty, when Ray has restarted it (a vLLM worker comes back on
+  new endpoints: its old backend is closed and the new one attached, empty);
 - a member is gone from the fleet (removed through any router): the router detaches it.
 
 Admin calls (`FleetControl`): add asks the fleet for a worker, waits for its model and hands
@@ -30,8 +33,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.config import ClusterConfig
 from cluster.fleet import Member
+from cluster.route import EngineEventsCollector, spec_backend, worker_spec
 from router.app import create_app
-from router.backends import RayBackend
+from router.backends import Backend, RayBackend
 from router.config import RouterConfig
 from router.errors import APIError
 
@@ -44,18 +48,20 @@ FLEET_RETRY_S = 1.0  # after a failed poll (the fleet is being stopped, or busy)
 class FleetLink:
     """Keeps one router's workers in step with the fleet (all methods on the router's loop)."""
 
-    def __init__(self, fleet: Any) -> None:
+    def __init__(self, fleet: Any, api_key: str | None = None) -> None:
         self.fleet = fleet
+        self.api_key = api_key  # vLLM workers require the routers' key
         self.registry: Any = None  # the router's `WorkerSync`, set by `build_router`
         self.version = -1
         self.attached: set[str] = set()  # members this router has attached (ready or dead)
+        self.endpoints: dict[str, dict | None] = {}  # of each attached member, as attached
 
     async def join(self) -> None:
         """Attach every ready worker of the fleet now (each with its snapshot)."""
         version, members = await self.fleet.members.remote()
         new = self._new_ready(members)
         self.version = version
-        await self.registry.join([RayBackend(m.worker_id, m.actor) for m in new])
+        await self.registry.join([self.adopt(m) for m in new])
         self._apply(members)
 
     async def follow(self) -> None:
@@ -69,13 +75,27 @@ class FleetLink:
                 continue
             self.version = version
             for member in self._new_ready(members):
-                self.registry.attach(RayBackend(member.worker_id, member.actor))
+                self.registry.attach(self.adopt(member))
             self._apply(members)
 
+    def adopt(self, member: Member) -> Backend:
+        """The member's backend; the member counts as attached from now on."""
+        self.attached.add(member.worker_id)
+        self.endpoints[member.worker_id] = member.endpoints
+        return member_backend(member, self.api_key)
+
     def _new_ready(self, members: list[Member]) -> list[Member]:
-        """Ready members not attached yet; they count as attached from now on."""
-        new = [m for m in members if m.state == "ready" and m.worker_id not in self.attached]
-        self.attached.update(m.worker_id for m in new)
+        """Ready members to attach: new ones, and those that serve on other endpoints than
+        the ones attached (a vLLM worker Ray restarted: its old backend is detached here)."""
+        new = []
+        for m in members:
+            if m.state != "ready":
+                continue
+            if m.worker_id not in self.attached:
+                new.append(m)
+            elif m.endpoints != self.endpoints.get(m.worker_id):
+                self.registry.detach(m.worker_id)
+                new.append(m)
         return new
 
     def _apply(self, members: list[Member]) -> None:
@@ -83,6 +103,7 @@ class FleetLink:
         present = {m.worker_id: m for m in members}
         for worker_id in sorted(self.attached - set(present)):
             self.attached.discard(worker_id)
+            self.endpoints.pop(worker_id, None)
             self.registry.detach(worker_id)
         for member in members:
             if member.state == "down" and member.worker_id in self.attached:
@@ -95,7 +116,7 @@ class FleetControl:
     def __init__(self, link: FleetLink) -> None:
         self.link = link
 
-    async def add_worker(self) -> RayBackend:
+    async def add_worker(self) -> Backend:
         """Start one worker; returns its backend once its model is loaded (the router then
         registers it; the fleet's change that announces it is not attached again here).
 
@@ -106,12 +127,12 @@ class FleetControl:
             cause = getattr(exc, "cause", None) or exc
             raise APIError(503, f"could not add a worker: {cause}",
                            code="worker_unavailable") from exc
-        self.link.attached.add(member.worker_id)
-        return RayBackend(member.worker_id, member.actor)
+        return self.link.adopt(member)
 
     async def remove_worker(self, worker_id: str) -> None:
         """Kill the worker's actor and free its bundle (this router has already let go)."""
         self.link.attached.discard(worker_id)
+        self.link.endpoints.pop(worker_id, None)
         await self.link.fleet.remove.remote(worker_id)
 
 
@@ -136,12 +157,23 @@ def build_router(config: ClusterConfig, model_dir: str, fleet: Any) -> tuple[Fas
     then run `link.follow()` on the router's loop.
 
     Safe to call in another thread while the fleet's workers load (the tokenizer loads here)."""
-    link = FleetLink(fleet)
+    link = FleetLink(fleet, config.api_key)
     app = create_app(router_config(config, model_dir), control=FleetControl(link))
     link.registry = app.state.router.workers
+    if config.engine == "vllm":
+        router = app.state.router
+        router.metrics.registry.register(EngineEventsCollector(router.registry))
     return app, link
 
 
-def member_backends(members: list[Member]) -> list[RayBackend]:
-    """A Ray backend for each ready member (a router of one's own over the same workers)."""
-    return [RayBackend(m.worker_id, m.actor) for m in members if m.state == "ready"]
+def member_backend(member: Member, api_key: str | None = None) -> Backend:
+    """How a router reaches a member: through Ray (our engine), or over HTTP at its endpoints
+    with its KV events followed (vLLM; hashed at the engine's own block size)."""
+    if member.endpoints is None:
+        return RayBackend(member.worker_id, member.actor)
+    return spec_backend(worker_spec(**member.endpoints), member.worker_id, None, api_key)
+
+
+def member_backends(members: list[Member], api_key: str | None = None) -> list[Backend]:
+    """A backend for each ready member (a router of one's own over the same workers)."""
+    return [member_backend(m, api_key) for m in members if m.state == "ready"]

@@ -1,10 +1,12 @@
 """The worker actors of one cluster: create, wait for, watch, add and remove them.
 
-Each worker is one `WorkerActor` in one placement-group bundle (`cluster/placement.py`). The
+Each worker is one actor in one placement-group bundle (`cluster/placement.py`): a
+`WorkerActor` (our engine) or a `VllmWorker` (`--engine vllm`, `cluster/vllm_worker.py`). The
 pool lives in the fleet actor (`cluster/fleet.py`), which tells routers of every change; the
 pool calls `on_change()` whenever a worker is added, becomes ready, is removed, is found dead
 by the watcher, or answers again after Ray restarted it (a restarted actor is a new engine
-with an empty cache and a new event epoch, so routers re-add it from its snapshot).
+with an empty cache and a new event epoch, so routers re-add it from its snapshot; a vLLM
+worker restarted by Ray serves on new `endpoints`, which routers attach afresh).
 
 All methods run on the fleet actor's event loop, so the pool needs no locking.
 """
@@ -20,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
+from cluster.vllm_worker import RemoteVllmWorker, VllmConfig
 from worker.actor import WorkerActor
 from worker.engine import EngineConfig
 
@@ -42,10 +45,24 @@ class Worker:
     state: str = "loading"
     started: float = field(default_factory=time.monotonic)
     restarts: int = 0
+    # where an engine reached over HTTP serves ({"url", "events", "replay"}, from its
+    # `ready()`; a vLLM worker's change when Ray restarts it); None for our own engine
+    endpoints: dict | None = None
 
 
-def engine_config(config: ClusterConfig, device: str) -> EngineConfig:
+def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConfig:
     """The engine's config for every worker of this cluster."""
+    if config.engine == "vllm":
+        cpus = config.cpus_per_worker or 1.0
+        return VllmConfig(
+            model=config.model,
+            python=config.vllm_python,
+            args=tuple(config.vllm_args),
+            device=device,
+            dtype=config.dtype,
+            cpu_threads=max(1, int(cpus)),
+            api_key=config.api_key,
+        )
     return EngineConfig(
         model=config.model,
         device=device,
@@ -130,7 +147,8 @@ class WorkerPool:
         worker_id = f"worker-{self._next_index}"
         self._next_index += 1
         resources = slot.group.bundle_specs[slot.bundle_index]
-        actor = WorkerActor.options(
+        actor_class = RemoteVllmWorker if isinstance(self.engine, VllmConfig) else WorkerActor
+        actor = actor_class.options(
             name=f"radixray-{self.pool_id}-{worker_id}",
             namespace=self.config.namespace,
             num_cpus=resources.get("CPU", 0),
@@ -149,9 +167,11 @@ class WorkerPool:
     ) -> None:
         async def one(worker: Worker) -> None:
             try:
-                await asyncio.wait_for(worker.actor.ready.remote(), self.config.ready_timeout_s)
+                info = await asyncio.wait_for(worker.actor.ready.remote(),
+                                              self.config.ready_timeout_s)
             except Exception as exc:
                 raise RuntimeError(f"{worker.worker_id} failed to load its model: {exc}") from exc
+            worker.endpoints = info.get("endpoints")
             worker.state = "ready"
             worker.started = time.monotonic()
             self.on_change()
@@ -164,19 +184,26 @@ class WorkerPool:
         if worker.state == "loading":
             return
         try:
-            await asyncio.wait_for(worker.actor.ready.remote(), PING_TIMEOUT_S)
+            info = await asyncio.wait_for(worker.actor.ready.remote(), PING_TIMEOUT_S)
         except (asyncio.TimeoutError, GetTimeoutError):
             return  # busy or restarting: the next successful ping decides
-        except RayActorError as exc:
+        except (RayActorError, RayTaskError) as exc:  # dead, or alive with a failed engine
             if worker.state != "down" and worker.worker_id in self.workers:
                 log.warning("%s died (%s); Ray restarts it", worker.worker_id, type(exc).__name__)
                 worker.state = "down"
                 self.on_change()
             return
-        if worker.state == "down" and worker.worker_id in self.workers:
+        if worker.worker_id not in self.workers:
+            return
+        if worker.state == "down":
             log.warning("%s is back (restarted, empty cache)", worker.worker_id)
             worker.restarts += 1
             worker.state = "ready"
             worker.started = time.monotonic()
+            worker.endpoints = info.get("endpoints")
+            self.on_change()
+        elif info.get("endpoints") != worker.endpoints:  # restarted between two pings
+            worker.restarts += 1
+            worker.endpoints = info.get("endpoints")
             self.on_change()
 

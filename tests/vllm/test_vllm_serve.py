@@ -1,0 +1,265 @@
+"""`radixray serve --engine vllm`: the real command, its fleet of two vLLM workers on a local
+Ray, answering through the `openai` client; then one worker's vLLM killed with SIGKILL (the
+stream on it fails over, the worker restarts empty), the other drained live, and the cluster
+stopped: no vLLM process is left at any step.
+
+One cluster for the module (two vLLM start-ups cost a minute or more on a small machine). The
+tests run in order: the last one kills a vLLM server and stops the cluster.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai
+import psutil
+import pytest
+import requests
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from vllm_env import require_vllm  # noqa: E402
+from vllm_server import BLOCK, free_port, vllm_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.timeout(1500)
+
+WORDS = list(range(70, 94))  # token ids of plain letters in the tiny tokenizer
+MARK = "RADIXRAY_TEST_VLLM_SERVE"  # in the environment of every process the cluster starts
+VLLM_ARGS = "--enforce-eager --max-model-len 1024 --num-gpu-blocks-override 24 --max-num-seqs 8"
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return [WORDS[(seed * 7 + i * (seed % 5 + 1)) % len(WORDS)] for i in range(length)]
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """The live processes whose environment carries `MARK=mark` and a worker id: the vLLM
+    servers, their reapers and engine processes."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get(MARK) == mark and "RADIXRAY_WORKER_ID" in env:
+            found.append(proc)
+    return found
+
+
+def vllm_server(mark: str, worker_id: str) -> psutil.Process | None:
+    """The worker's vLLM OpenAI server process (not its reaper), if it runs."""
+    for proc in marked(mark):
+        try:
+            cmd = proc.cmdline()
+            if cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and (
+                    proc.environ()["RADIXRAY_WORKER_ID"] == worker_id):
+                return proc
+        except (psutil.Error, OSError, IndexError):
+            continue
+    return None
+
+
+def counter(url: str, name: str) -> float:
+    for line in requests.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def workers(url: str) -> dict[str, dict]:
+    return {r["id"]: r for r in requests.get(url + "/v1/workers", timeout=10).json()["data"]}
+
+
+def wait_for(check, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except requests.RequestException:
+            value = None
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    python = require_vllm()
+    root = tmp_path_factory.mktemp("vllm-serve")
+    model = vllm_model_dir(root)
+    port = free_port()
+    # the cluster's temporary files (Ray's session, the vLLM servers' logs) in a short-named
+    # folder of its own (Ray's socket paths must stay short), removed at the end; the vLLM
+    # logs are kept beside the test's other files
+    scratch = tempfile.mkdtemp(prefix="rr-vllm-", dir="/tmp")
+    env = dict(os.environ, PYTHONPATH=str(HERE.parents[1]), RADIXRAY_VLLM_PYTHON=python,
+               VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="WARNING", TMPDIR=scratch,
+               **{MARK: str(root)})
+    env.pop("RADIXRAY_API_KEY", None)
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--engine", "vllm", "--model",
+           str(model), "--workers", "2", "--num-cpus", "2", "--port", str(port),
+           f"--vllm-args={VLLM_ARGS}"]
+    log = root / "serve.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    state = SimpleNamespace(url=url, model=str(model), mark=str(root), proc=proc, log=log)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()[-5000:]
+            return requests.get(url + "/health", timeout=2).status_code == 200
+        wait_for(up, 900, "radixray serve --engine vllm to answer")
+        print(f"\nradixray serve --engine vllm: 2 vLLM workers serve after "
+              f"{time.monotonic() - t0:.1f}s")
+        state.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        yield state
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+        for left in marked(str(root)):  # never leave a vLLM behind, whatever failed
+            left.kill()
+        for vllm_log in Path(scratch).glob("radixray-vllm-*.log"):
+            shutil.copy(vllm_log, root)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_serve_engine_vllm_answers_through_openai(cluster):
+    rows = workers(cluster.url)
+    assert sorted(rows) == ["worker-0", "worker-1"]
+    assert {r["state"] for r in rows.values()} == {"ready"}
+    assert {r["max_context"] for r in rows.values()} == {1024}  # vLLM's, read not assumed
+    wait_for(lambda: {r["kv_total"] for r in workers(cluster.url).values()} == {24 * BLOCK},
+             30, "the engines' KV capacity from their /metrics")
+
+    chat = cluster.client.chat.completions.create(
+        model=cluster.model, max_tokens=8, temperature=0,
+        messages=[{"role": "user", "content": "Hello there, who are you?"}])
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.completion_tokens > 0
+
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 40)
+    messages = [{"role": "user", "content": text}]
+    chunks = list(cluster.client.chat.completions.create(
+        model=cluster.model, max_tokens=6, temperature=0, messages=messages, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    first = chunks[-1].usage
+    assert first.prompt_tokens > 2 * BLOCK
+    time.sleep(1.0)  # its blocks' events reach the routers' index
+    raw = cluster.client.chat.completions.with_raw_response.create(
+        model=cluster.model, max_tokens=6, temperature=0, messages=messages)
+    repeat = raw.parse()
+    # vLLM's own figure, passed through: every whole block of the prompt was cached
+    assert repeat.usage.prompt_tokens_details.cached_tokens == (
+        (first.prompt_tokens - 1) // BLOCK * BLOCK)
+    assert raw.headers["x-radixray-worker"] in rows
+
+
+def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
+    url, client, mark = cluster.url, cluster.client, cluster.mark
+    # prompts cached on both workers (sent together, the load spreads them)
+    cached = [prompt(seed, 2 * BLOCK + 5) for seed in range(200, 206)]
+
+    def send(ids: list[int]) -> str:
+        raw = client.completions.with_raw_response.create(
+            model=cluster.model, prompt=ids, max_tokens=2, temperature=0)
+        return raw.headers["x-radixray-worker"]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        where = list(pool.map(send, cached))
+    time.sleep(1.0)
+
+    stream = client.completions.create(
+        model=cluster.model, prompt=prompt(7, BLOCK + 20), max_tokens=300, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    arrivals, usage, killed, server = [], None, None, None
+    for chunk in stream:
+        arrivals.append(time.monotonic())
+        usage = chunk.usage or usage
+        if killed is None and len(arrivals) == 3:
+            killed = stream.response.headers["x-radixray-worker"]
+            server = vllm_server(mark, killed)
+            assert server is not None
+            group = [p for p in marked(mark) if os.getpgid(p.pid) == os.getpgid(server.pid)]
+            assert len(group) >= 3  # reaper, server, engine core (at least)
+            t_kill = time.monotonic()
+            server.send_signal(signal.SIGKILL)
+    assert killed is not None
+    assert usage.completion_tokens == 300  # the stream finished on the other worker
+    gap = max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False) if b > t_kill)
+    print(f"\nfailover: longest wait between two chunks after the kill {gap:.2f}s, stream "
+          f"done {arrivals[-1] - t_kill:.2f}s after the kill")
+
+    # no orphan: the server's engine processes went with it
+    wait_for(lambda: not any(p.is_running() for p in group), 30, "the old vLLM processes to go")
+
+    # while it restarts, nothing is routed to it
+    wait_for(lambda: workers(url)[killed]["state"] == "dead", 60, f"{killed} marked dead")
+    other = next(w for w in workers(url) if w != killed)
+    assert send(prompt(300, BLOCK + 3)) == other
+
+    def back() -> bool:
+        new = vllm_server(mark, killed)
+        # (between the old backend's detach and the new one's join it is briefly not listed)
+        return (new is not None and new.pid != server.pid
+                and workers(url).get(killed, {}).get("state") == "ready")
+    wait_for(back, 600, f"{killed} to restart and rejoin")
+    print(f"restart: {killed} serves again {time.monotonic() - t_kill:.1f}s after the kill")
+
+    # it rejoined empty: the routers expect none of what the old engine cached, and vLLM agrees
+    on_killed = [ids for ids, w in zip(cached, where, strict=True) if w == killed]
+    assert on_killed, f"no prompt was cached on {killed}: {where}"
+    for ids in on_killed:
+        predicted = counter(url, "radixray_cached_tokens_predicted_total")
+        actual = counter(url, "radixray_cached_tokens_actual_total")
+        raw = client.completions.with_raw_response.create(
+            model=cluster.model, prompt=ids, max_tokens=2, temperature=0)
+        if raw.headers["x-radixray-worker"] == killed:
+            assert raw.parse().usage.prompt_tokens_details.cached_tokens == 0
+        assert counter(url, "radixray_cached_tokens_predicted_total") - predicted == (
+            counter(url, "radixray_cached_tokens_actual_total") - actual)
+
+    # and it serves again, its new events followed: a repeat sent to it is a hit
+    for seed in range(400, 420):
+        probe = prompt(seed, 2 * BLOCK + 5)
+        if send(probe) == killed:
+            break
+    else:
+        pytest.fail(f"nothing was routed to the restarted {killed}")
+    time.sleep(1.0)
+    raw = client.completions.with_raw_response.create(
+        model=cluster.model, prompt=probe, max_tokens=2, temperature=0)
+    assert raw.headers["x-radixray-worker"] == killed
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == 2 * BLOCK
+
+    # a live drain removes the other worker: its vLLM processes go, the restarted one serves on
+    drained = requests.post(f"{url}/v1/workers/{other}/drain", timeout=120)
+    assert drained.json() == {"id": other, "state": "removed"}, drained.text
+    assert sorted(workers(url)) == [killed]
+    wait_for(lambda: not [p for p in marked(mark)
+                          if p.environ().get("RADIXRAY_WORKER_ID") == other],
+             30, f"{other}'s vLLM processes to exit")
+    assert send(prompt(500, BLOCK)) == killed
+
+    # stopping the cluster stops every vLLM process
+    cluster.proc.send_signal(signal.SIGTERM)
+    assert cluster.proc.wait(120) == 0, cluster.log.read_text()[-5000:]
+    wait_for(lambda: not marked(mark), 30, "every vLLM process to exit")
