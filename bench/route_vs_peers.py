@@ -64,10 +64,14 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
                 "--port", str(port), "--policy", policy,
                 *[a for e in engines for a in ("--worker", e.spec())]]
+    # both peers export Prometheus metrics on a fixed port by default (29000), which another
+    # router on the machine may hold
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
     if kind == "sglang-router":
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST,
-                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
-    command = [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls, *metrics]
+    command = [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls,
+               *metrics]
     if kind == "vllm-router-kv":  # kv_aware on the engines' own KV events
         command += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK),
                     "--kv-event-model", args.model]
@@ -75,6 +79,18 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
             command += ["--kv-event-source", f"{e.url}={e.events}",
                         "--kv-event-replay-source", f"{e.url}={e.replay}"]
     return command
+
+
+def warm_up(engines: list[VllmServer], model: str) -> None:
+    """A few requests straight to each engine, so that no router's run pays the engines'
+    first-request costs."""
+    for engine in engines:
+        for i in range(3):
+            body = json.dumps({"model": model, "prompt": f"warm up {i} " * 200,
+                               "max_tokens": 16}).encode()
+            request = urllib.request.Request(engine.url + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=300).read()
 
 
 def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
@@ -177,6 +193,7 @@ def main() -> None:
             engine.start()
         for engine in engines:
             engine.wait()
+        warm_up(engines, args.model)
         loads = workloads(args)
         runs: dict = {name: {kind: [] for kind in routers} for name in loads}
         results["runs"] = runs
