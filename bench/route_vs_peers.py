@@ -209,19 +209,25 @@ def main() -> None:
         warm_up(engines, args.model)
         loads = workloads(args)
         runs: dict = {name: {kind: [] for kind in routers} for name in loads}
+        failed: set[str] = set()
         results["runs"] = runs
         for round_ in range(args.repeat):
             for name, requests in loads.items():
                 print(f"### round {round_}, {name}: {len(requests)} requests", flush=True)
-                for kind in routers:
-                    summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
+                for kind in [k for k in routers if k not in failed]:
+                    try:
+                        summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
+                    except (OSError, TimeoutError, subprocess.SubprocessError) as exc:
+                        failed.add(kind)  # it never came up: left out of later rounds
+                        print(f"{kind}: {exc!r}; see {root / f'{kind}.log'}", flush=True)
+                        continue
                     runs[name][kind].append(summary)
                     print(line(kind, summary), flush=True)
         for name in loads:
             print(f"### {name}: medians of {args.repeat}", flush=True)
-            results[name] = {kind: medians(runs[name][kind]) for kind in routers}
-            for kind in routers:
-                print(line(kind, results[name][kind]), flush=True)
+            results[name] = {k: medians(v) for k, v in runs[name].items() if v}
+            for kind, summary in results[name].items():
+                print(line(kind, summary), flush=True)
     finally:
         for engine in engines:
             engine.kill()
