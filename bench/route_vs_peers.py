@@ -1,17 +1,20 @@
 """Routers side by side in front of the same two real vLLM engines (SmolLM2-135M-Instruct).
 
     RADIXRAY_VLLM_PYTHON=/work/vllm-venv/bin/python python bench/route_vs_peers.py \\
-        --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router
+        --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router \\
+        --repeat 2
 
 One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-router`
-(`cache_aware`, its defaults), `vllm-router` (its defaults; skipped without --vllm-router) and
-round robin (`radixray route --policy round_robin`), `vllm-router-kv` (its `kv_aware` on the
-engines' KV events), and with --base-tree `radixray-base` (another checkout's `radixray route`:
-a change side by side with the code it changes), each on the shared-prefix workload and a
-Mooncake-trace slice. The engines' prefix caches are reset before every run (vLLM dev mode's
-`/reset_prefix_cache`). Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99,
-throughput, and requests per engine (from each engine's `vllm:request_success_total`).
-Every process binds 127.0.0.1 (the engines' event sockets are ipc).
+(`cache_aware`, its defaults), `vllm-router` (its defaults) and `vllm-router-kv` (its `kv_aware`
+on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skipped without
+--vllm-router), round robin (`radixray route --policy round_robin`) and, with --base-tree,
+`radixray-base` (another checkout's `radixray route`: a change side by side with the code it
+changes), each on the shared-prefix workload and a Mooncake-trace slice. With --repeat the
+routers take turns within each round and the figures are medians. The engines are warmed up
+once and their prefix caches reset before every run (vLLM dev mode's `/reset_prefix_cache`).
+Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests
+per engine (from each engine's `vllm:request_success_total`). Every process binds 127.0.0.1
+(the engines' event sockets are ipc).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -52,6 +56,32 @@ def finished_requests(url: str) -> int:
                    if s.name == "vllm:request_success_total"))
 
 
+class EventRelay:
+    """An engine's KV event stream (ipc) republished on tcp://127.0.0.1:PORT, for vllm-router,
+    which takes only tcp endpoints (the engine binds tcp only on a wildcard address). Its
+    replay socket is not relayed."""
+
+    def __init__(self, source: str) -> None:
+        import zmq
+
+        self.url = f"tcp://{HOST}:{free_port()}"
+        context = zmq.Context.instance()
+        self._sub = context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(source)
+        self._pub = context.socket(zmq.PUB)
+        self._pub.bind(self.url)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import zmq
+
+        try:
+            zmq.proxy(self._sub, self._pub)
+        except zmq.ZMQError:  # the context ended with the script
+            pass
+
+
 def reset_caches(engines: list[VllmServer]) -> None:
     for engine in engines:
         request = urllib.request.Request(engine.url + "/reset_prefix_cache", b"", method="POST")
@@ -76,9 +106,8 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
     if kind == "vllm-router-kv":  # kv_aware on the engines' own KV events
         command += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK),
                     "--kv-event-model", args.model]
-        for e in engines:
-            command += ["--kv-event-source", f"{e.url}={e.events}",
-                        "--kv-event-replay-source", f"{e.url}={e.replay}"]
+        for e, relay in zip(engines, args.relays, strict=True):
+            command += ["--kv-event-source", f"{e.url}={relay.url}"]
     return command
 
 
@@ -207,6 +236,7 @@ def main() -> None:
         for engine in engines:
             engine.wait()
         warm_up(engines, args.model)
+        args.relays = [EventRelay(e.events) for e in engines]
         loads = workloads(args)
         runs: dict = {name: {kind: [] for kind in routers} for name in loads}
         failed: set[str] = set()
