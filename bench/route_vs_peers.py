@@ -91,7 +91,7 @@ def reset_caches(engines: list[VllmServer]) -> None:
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
     if kind in ("radixray", "radixray-base", "round_robin"):
-        policy = "cost" if kind == "radixray" else "round_robin"
+        policy = "round_robin" if kind == "round_robin" else "cost"
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
                 "--port", str(port), "--policy", policy,
                 *[a for e in engines for a in ("--worker", e.spec())]]
