@@ -14,10 +14,7 @@ The terms (seconds of score per second of the named quantity):
   costs more than it saves. On an idle worker (nothing booked or reported; with
   `idle_while_decoding`, nothing queued to prefill) the weight is only `idle_weight`: nobody
   waits behind it now, so a prefix every worker needs (a shared system prompt) gets computed
-  there once instead of every request piling onto the workers that hold it. Only while they
-  pile, though: when a worker holding more of the prompt would start it at once (nothing
-  ahead of it, `wait_s` 0), there is no pile to avoid, and computing the prefix again on the
-  idle worker is extra work like any other (the full weight).
+  there once instead of every request piling onto the workers that hold it.
 - `tail`: the part of the TTFT past `tail_ttft_s` counts `weight` times more, so a request is
   not left to wait into the tail for the sake of its cached prefix.
 - `guard`: a worker where the request's TTFT would be in the tail and more than `margin_s` +
@@ -158,12 +155,6 @@ def scores(terms: CostTerms, request: RouteRequest, views: Sequence[WorkerView])
     decode = 0.0 if terms.decode is None else terms.decode.weight * request.expected_output
     idle_while_decoding = compute is not None and compute.idle_while_decoding
     idle_weight = 0.0 if compute is None else compute.idle_weight
-    # the longest prefix (blocks) held by a worker that would start the request at once
-    free_hit = max(
-        (v.matched_blocks + v.host_blocks for v, e in zip(views, estimates, strict=True)
-         if e[0] <= 0),
-        default=0,
-    )
     out = []
     for (wait, prefill, step, _, _, joined_step), view in zip(estimates, views, strict=True):
         ttft = wait + prefill + step
@@ -173,7 +164,6 @@ def scores(terms: CostTerms, request: RouteRequest, views: Sequence[WorkerView])
             stats = view.stats  # the bookings here may end before its report says so
             reported = 0 if stats is None else stats.running + stats.waiting
             idle = view.requests == 0 and reported == 0 and view.queue_s <= 0
-        idle = idle and view.matched_blocks + view.host_blocks >= free_hit
         harm = min(idle_weight, weight - 1.0) if idle else weight - 1.0
         score = ttft + harm * prefill + decode * joined_step
         rate = view.affinity_rate

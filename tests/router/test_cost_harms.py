@@ -127,26 +127,6 @@ def test_a_worker_is_idle_only_when_its_own_last_report_shows_it_empty_too() -> 
     assert pick(model(**knobs), request, [cached, between]) == "cached"  # 2 + 16 x 2 > 11.4
 
 
-def test_an_idle_worker_is_cheap_only_while_the_holders_of_the_prefix_are_queued() -> None:
-    """1,000 tokens, 800 cached on a worker that decodes one request (not idle), or none on an
-    idle one. With nothing ahead of it the holder starts the request at once: there is no pile
-    to avoid, so recomputing the prefix on the idle worker costs the full weight (1 + 16 x 1
-    against 0.2 + 16 x 0.2). Once the holder has a prefill queue (0.5 s), the idle worker
-    takes it at the idle weight (1 + 2 x 1 against 0.7 + 16 x 0.2)."""
-    request = RouteRequest("r", 1000, 62, block_size=16)
-
-    def views(queue_s: float) -> list[WorkerView]:
-        holder = WorkerView("holder", matched_blocks=50, requests=1, queue_s=queue_s)
-        return [holder, WorkerView("idle")]
-
-    assert pick(model(), request, views(queue_s=0.0)) == "holder"
-    assert pick(model(), request, views(queue_s=0.5)) == "idle"
-    # an idle worker holding as much as the best free holder keeps the discount
-    both = views(queue_s=0.0)
-    both[1].matched_blocks = 50
-    assert pick(model(), request, both) == "idle"  # same prefill, nobody behind it
-
-
 def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:
     """1,000 tokens, half cached on a worker 10 s behind; seven others hold nothing."""
     request = RouteRequest("r", 1000, 62, block_size=16)
