@@ -229,7 +229,7 @@ def main() -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
                           kv_blocks=args.kv_blocks, max_model_len=4096) for i in range(2)]
-    results: dict = {"settings": vars(args), "logs": str(root)}
+    results: dict = {"settings": dict(vars(args)), "logs": str(root)}
     try:
         for engine in engines:
             engine.start()
