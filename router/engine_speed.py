@@ -12,8 +12,15 @@ times each of its requests to the engine instead:
 - decode step: the median over recent requests of the time between a request's first and
   last tokens per token generated in between.
 
+A line through a few noisy timings can come out nearly flat (a speed tens of times the real
+one, which would draw every uncached prompt to that engine) or cross zero below the origin
+(a negative fixed cost). The line is therefore taken only over `min_points` timings whose
+uncached lengths span `min_spread` tokens, and only with a positive slope and fixed cost;
+otherwise the speed is the timings' tokens over their seconds, fixed cost included (a lower
+bound of the speed, never a wild one).
+
 A figure stays 0.0 (unknown: the fleet's median or the prior holds) until enough requests
-were seen: two prompt lengths for the line, one request of two tokens for the step.
+were seen: `min_points` for the prefill speed, one request of two tokens for the step.
 """
 
 from __future__ import annotations
@@ -29,10 +36,14 @@ from router.fleet import fit_line
 class EngineSpeedConfig:
     """window: recent requests each figure is taken over.
     min_uncached: fewer uncached prompt tokens than this say nothing of the prefill speed
-    (the fixed cost of a request dominates them)."""
+    (the fixed cost of a request dominates them).
+    min_points / min_spread: timings needed for any prefill speed, and the span of their
+    uncached lengths (tokens) needed for the line (see the module docstring)."""
 
     window: int = 64
     min_uncached: int = 16
+    min_points: int = 4
+    min_spread: int = 256
 
 
 class EngineSpeed:
@@ -62,10 +73,15 @@ class EngineSpeed:
     @property
     def prefill_tokens_per_s(self) -> float:
         """Uncached prompt tokens per second; 0.0 when unknown."""
-        fit = fit_line(list(self._prefill))
-        if fit is None or fit[1] <= 0:
+        points = list(self._prefill)
+        if len(points) < self.config.min_points:
             return 0.0
-        return 1.0 / fit[1]
+        lengths = [n for n, _ in points]
+        if max(lengths) - min(lengths) >= self.config.min_spread:
+            fit = fit_line(points)
+            if fit is not None and fit[0] >= 0 and fit[1] > 0:
+                return 1.0 / fit[1]
+        return sum(lengths) / sum(t for _, t in points)
 
     @property
     def decode_step_s(self) -> float:

@@ -34,6 +34,27 @@ def test_prefill_speed_is_the_slope_of_ttft_on_uncached_tokens():
     assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
 
 
+def test_a_few_noisy_timings_give_a_plausible_speed_not_a_flat_line():
+    """1,000 tokens/s with 0.3 s of noise on each timing: the first two or three would fit a
+    nearly flat line (tens of thousands of tokens/s) or a negative fixed cost; with four, the
+    speed is within a factor of two of the real one."""
+    noisy = [(150, 0.45), (850, 0.55), (160, 0.16), (840, 1.14)]  # seconds: n / 1000 +- 0.3
+    speed = EngineSpeed()
+    for n, t in noisy[:3]:
+        speed.observe(n, t, 0.0, 0, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == 0.0  # three timings: too few for any figure
+    speed.observe(*noisy[3], 0.0, 0, queued_behind_own=False)
+    assert 500 <= speed.prefill_tokens_per_s <= 2000
+    below = EngineSpeed()  # a line through these has a negative fixed cost
+    for n, t in [(150, 0.05), (850, 1.2), (160, 0.04), (840, 1.1)]:
+        below.observe(n, t, 0.0, 0, queued_behind_own=False)
+    assert below.prefill_tokens_per_s == pytest.approx(2000 / 2.39)  # tokens over seconds
+    close = EngineSpeed()  # lengths too close together for a slope
+    for n, t in [(800, 0.8), (810, 0.9), (820, 0.7), (830, 0.9)]:
+        close.observe(n, t, 0.0, 0, queued_behind_own=False)
+    assert close.prefill_tokens_per_s == pytest.approx(3260 / 3.3)
+
+
 def test_decode_step_is_the_median_time_per_token_after_the_first():
     speed = EngineSpeed()
     speed.observe(0, 0.1, 0.2, 10, queued_behind_own=True)  # 20 ms per token
