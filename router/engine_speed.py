@@ -15,12 +15,13 @@ times each of its requests to the engine instead:
 A line through a few noisy timings can come out nearly flat (a speed tens of times the real
 one, which would draw every uncached prompt to that engine) or cross zero below the origin
 (a negative fixed cost). The line is therefore taken only over `min_points` timings whose
-uncached lengths span `min_spread` tokens, and only with a positive slope and fixed cost;
-otherwise the speed is the timings' tokens over their seconds, fixed cost included (a lower
-bound of the speed, never a wild one).
+uncached lengths span `min_spread` tokens, with no negative fixed cost and a slope at least
+`min_slope_sigmas` standard errors above zero. Otherwise the speed stays unknown, and the
+fleet's median or the prior stands in: the engine is priced as its peers are. Tokens over
+seconds would not do as a fallback: it counts the fixed cost as prefill, so an engine that
+holds the prefixes gets short uncached remainders, looks slow, and the cost moves its
+prefixes to an engine that holds none.
 
-A figure stays 0.0 (unknown: the fleet's median or the prior holds) until enough requests
-were seen: `min_points` for the prefill speed, one request of two tokens for the step.
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ class EngineSpeedConfig:
     """window: recent requests each figure is taken over.
     min_uncached: fewer uncached prompt tokens than this say nothing of the prefill speed
     (the fixed cost of a request dominates them).
-    min_points / min_spread: timings needed for any prefill speed, and the span of their
-    uncached lengths (tokens) needed for the line (see the module docstring)."""
+    min_points / min_spread / min_slope_sigmas: timings needed for the prefill line, the span
+    of their uncached lengths (tokens), and how many standard errors above zero its slope must
+    be (see the module docstring)."""
 
     window: int = 64
     min_uncached: int = 16
     min_points: int = 4
     min_spread: int = 256
+    min_slope_sigmas: float = 2.0
 
 
 class EngineSpeed:
@@ -73,15 +76,21 @@ class EngineSpeed:
     @property
     def prefill_tokens_per_s(self) -> float:
         """Uncached prompt tokens per second; 0.0 when unknown."""
-        points = list(self._prefill)
-        if len(points) < self.config.min_points:
+        cfg, points = self.config, list(self._prefill)
+        if len(points) < cfg.min_points:
             return 0.0
         lengths = [n for n, _ in points]
-        if max(lengths) - min(lengths) >= self.config.min_spread:
-            fit = fit_line(points)
-            if fit is not None and fit[0] >= 0 and fit[1] > 0:
-                return 1.0 / fit[1]
-        return sum(lengths) / sum(t for _, t in points)
+        if max(lengths) - min(lengths) < cfg.min_spread:
+            return 0.0
+        fit = fit_line(points)
+        if fit is None or fit[0] < 0 or fit[1] <= 0:
+            return 0.0
+        intercept, slope = fit
+        mean = sum(lengths) / len(lengths)
+        sxx = sum((n - mean) ** 2 for n in lengths)
+        residual = sum((t - intercept - slope * n) ** 2 for n, t in points)
+        standard_error = (residual / max(1, len(points) - 2) / sxx) ** 0.5
+        return 1.0 / slope if slope >= cfg.min_slope_sigmas * standard_error else 0.0
 
     @property
     def decode_step_s(self) -> float:
