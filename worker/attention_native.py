@@ -8,6 +8,12 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   page faults than the copy itself). The query heads of each KV head's group stand side by
   side as that head's "queries" (`[B, KVH, G, D]`), so one SDPA with a key-length mask covers
   the batch without repeating K/V per query head. The slot table is built once per pass.
+- Decode over a shared prefix (CPU, cascade attention): sequences whose first `MIN_SHARED`+
+  slots are the same (the radix cache gave them one prefix) form a group; the group's queries
+  attend to that prefix together, its KV gathered once per layer instead of once per member,
+  and each sequence attends to the rest of its keys; the two results are merged exactly by
+  their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
+  the KV a per-sequence gather reads.
 - Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
 - Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
   to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
@@ -51,39 +57,95 @@ class NativeAttention(AttentionBackend):
             )
         return out
 
+    def _gather(
+        self, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `plan.head_index` from the pool viewed as [slots * KVH, D], K and V."""
+        n, dim = plan.head_index.numel(), k_buf.shape[-1]
+        ws = self._workspace
+        if ws is None or ws.shape[1] < n or ws.dtype != k_buf.dtype or ws.device != k_buf.device:
+            ws = self._workspace = torch.empty((2, n, dim), dtype=k_buf.dtype, device=k_buf.device)
+        k = torch.index_select(k_buf.view(-1, dim), 0, plan.head_index, out=ws[0, :n])
+        v = torch.index_select(v_buf.view(-1, dim), 0, plan.head_index, out=ws[1, :n])
+        return k, v
+
     def _decode(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
     ) -> torch.Tensor:
         """One query per sequence: q [B, H, D] -> [B, H, D]."""
         b, heads, dim = q.shape
-        kv_heads, kmax = plan.num_kv_heads, plan.kmax
-        n = plan.head_index.numel()
-        ws = self._workspace
-        if ws is None or ws.shape[1] < n or ws.dtype != k_buf.dtype or ws.device != q.device:
-            ws = self._workspace = torch.empty((2, n, dim), dtype=k_buf.dtype, device=q.device)
-        k = torch.index_select(k_buf.view(-1, dim), 0, plan.head_index, out=ws[0, :n])
-        v = torch.index_select(v_buf.view(-1, dim), 0, plan.head_index, out=ws[1, :n])
-        shape = (b, kv_heads, kmax, dim)
-        o = F.scaled_dot_product_attention(
-            q.view(b, kv_heads, heads // kv_heads, dim),
-            k.view(shape).to(q.dtype),
-            v.view(shape).to(q.dtype),
-            attn_mask=plan.decode_mask,
-        )
-        return o.reshape(b, heads, dim)
+        kv_heads, group = plan.num_kv_heads, heads // plan.num_kv_heads
+        k, v = self._gather(k_buf, v_buf, plan)
+        qg = q.view(b, kv_heads, group, dim)
+        shape, own = (b, kv_heads, plan.kmax, dim), b * kv_heads * plan.kmax
+        ks, vs = k[:own].view(shape), v[:own].view(shape)
+        if not plan.shared:
+            o = F.scaled_dot_product_attention(
+                qg, ks.to(q.dtype), vs.to(q.dtype), attn_mask=plan.decode_mask
+            )
+            return o.reshape(b, heads, dim)
+        # Each sequence over its own keys (past its group's shared prefix), with the LSE ...
+        mask = plan.additive_mask(q.dtype)
+        o, lse = _FLASH(qg, ks.to(q.dtype), vs.to(q.dtype), 0.0, False, attn_mask=mask)
+        o, lse = o.float(), lse.float()
+        offset = own
+        for members, length in plan.shared:
+            # ... and each group's queries together over the prefix its members share, once.
+            n = members.numel()
+            size = kv_heads * length
+            kp = k[offset : offset + size].view(1, kv_heads, length, dim).to(q.dtype)
+            vp = v[offset : offset + size].view(1, kv_heads, length, dim).to(q.dtype)
+            offset += size
+            qp = qg.index_select(0, members).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
+            op, lsep = _FLASH(qp, kp, vp, 0.0, False)
+            op = op.reshape(kv_heads, n, group, dim).transpose(0, 1).float()
+            lsep = lsep.reshape(kv_heads, n, group).transpose(0, 1).float()
+            o_own, lse_own = o.index_select(0, members), lse.index_select(0, members)
+            o.index_copy_(0, members, _merge(op, lsep, o_own, lse_own))
+        return o.to(q.dtype).reshape(b, heads, dim)
+
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor):
+    """Attention over two disjoint key sets, merged exactly by their log-sum-exp (float32)."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp()[..., None], (lse2 - top).exp()[..., None]
+    return (o1 * w1 + o2 * w2) / (w1 + w2)
+
+
+MIN_SHARED = 32  # shortest common prefix that decoding sequences attend to once, together
 
 
 @dataclass
 class _NativePlan:
-    """Index tensors of one batch, built once per forward pass and shared by every layer."""
+    """Index tensors of one batch, built once per forward pass and shared by every layer.
+
+    Decoding sequences that share the slots of a prefix (the radix cache handed them the same
+    KV) form a group when that prefix has `MIN_SHARED` tokens or more: on CPU each group's
+    queries attend to the shared prefix in one call (its KV gathered once, not once per
+    member), each sequence attends to the rest of its keys, and the two results are merged by
+    their log-sum-exp (cascade attention). `head_index` lists the pool rows of the per-sequence
+    keys `[B, KVH, Kmax]` (padded), then each group's prefix `[KVH, L]`.
+    """
 
     all_decode: bool  # every sequence decodes one token: the output is the decode output
     decode_rows: torch.Tensor | None  # [B] token rows of the decoding sequences (mixed batch)
-    head_index: torch.Tensor | None  # [B * KVH * Kmax] rows of the pool viewed as [size*KVH, D]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Kmax] True where a key is real
-    kmax: int
+    head_index: torch.Tensor | None  # rows of the pool viewed as [size*KVH, D] (see above)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Kmax] where a key is real (bool or additive)
+    kmax: int  # keys per sequence past its shared prefix (padded)
     num_kv_heads: int
     prefills: list[tuple[int, int, torch.Tensor | None]]  # start, q_len, cached-prefix slots
+    shared: list[tuple[torch.Tensor, int]]  # per group: member indices [n], shared length
+    _additive: torch.Tensor | None = None
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`decode_mask` as 0 / -inf in `dtype` (what the CPU flash kernel takes), made once."""
+        if self._additive is None or self._additive.dtype != dtype:
+            zero = torch.zeros((), dtype=dtype, device=self.decode_mask.device)
+            self._additive = zero.masked_fill(~self.decode_mask, float("-inf"))
+        return self._additive
 
     @staticmethod
     def build(batch: AttentionBatch, num_kv_heads: int) -> _NativePlan:
@@ -99,17 +161,52 @@ class _NativePlan:
                 prefills.append((start, q_len, batch.slots(i)[:prefix] if prefix else None))
             start += q_len
         if not decode_seqs:
-            return _NativePlan(False, None, None, None, 0, num_kv_heads, prefills)
+            return _NativePlan(False, None, None, None, 0, num_kv_heads, prefills, [])
         kv_lens = [batch.kv_lens[i] for i in decode_seqs]
-        kmax = max(kv_lens)
-        table = batch.padded_slots(decode_seqs, kmax)  # [B, Kmax], padding: any valid slot
+        table = batch.padded_slots(decode_seqs, max(kv_lens))  # [B, Kmax], padding: valid slots
+        shared = _shared_prefixes(table, kv_lens) if device.type == "cpu" else []
+        starts = [0] * len(kv_lens)
+        prefix_slots = []
+        for members, length in shared:
+            prefix_slots.append(table[int(members[0]), :length])
+            for m in members.tolist():
+                starts[m] = length
+        own = [n - s for n, s in zip(kv_lens, starts, strict=True)]
+        kmax = max(own)
+        if shared:  # each sequence's keys from its start, padded with later (valid) entries
+            at = torch.tensor(starts, device=device)[:, None] + torch.arange(kmax, device=device)
+            table = table.gather(1, at.clamp_(max=table.shape[1] - 1))
         heads = torch.arange(num_kv_heads, device=device)
-        head_index = (table[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
-        lens = torch.tensor(kv_lens, device=device)
+        index = [(table[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)]
+        index += [(s[None, :] * num_kv_heads + heads[:, None]).reshape(-1) for s in prefix_slots]
+        lens = torch.tensor(own, device=device)
         mask = (torch.arange(kmax, device=device)[None, :] < lens[:, None])[:, None, None, :]
         all_decode = not prefills
         decode_rows = None if all_decode else torch.tensor(rows, device=device)
-        return _NativePlan(all_decode, decode_rows, head_index, mask, kmax, num_kv_heads, prefills)
+        head_index = torch.cat(index) if len(index) > 1 else index[0]
+        return _NativePlan(
+            all_decode, decode_rows, head_index, mask, kmax, num_kv_heads, prefills, shared
+        )
+
+
+def _shared_prefixes(table: torch.Tensor, kv_lens: list[int]) -> list[tuple[torch.Tensor, int]]:
+    """Groups of >= 2 decoding sequences whose first `length >= MIN_SHARED` slots are the same
+    (each keeps at least its newest key to itself): (member indices, length) per group."""
+    by_first: dict[int, list[int]] = {}
+    for i, slot in enumerate(table[:, 0].tolist()):
+        if kv_lens[i] > MIN_SHARED:
+            by_first.setdefault(slot, []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        limit = min(kv_lens[i] for i in members) - 1
+        rows = table[members, :limit]
+        differs = (rows != rows[0]).any(0)
+        length = int(differs.int().argmax()) if bool(differs.any()) else limit
+        if length >= MIN_SHARED:
+            groups.append((torch.tensor(members, device=table.device), length))
+    return groups
 
 
 def _prefill(
@@ -142,8 +239,5 @@ def _prefill(
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     o_prefix, lse_prefix = flash(qh, kp, vp, 0.0, False)  # every prefix key is visible
     o_self, lse_self = flash(qh, kh, vh, 0.0, True)  # q_len == its own keys: plain causal
-    top = torch.maximum(lse_prefix, lse_self)
-    w_prefix = (lse_prefix - top).exp()[..., None]
-    w_self = (lse_self - top).exp()[..., None]
-    o = (o_prefix.float() * w_prefix + o_self.float() * w_self) / (w_prefix + w_self)
+    o = _merge(o_prefix.float(), lse_prefix, o_self.float(), lse_self)
     return o[0].transpose(0, 1).to(q.dtype)

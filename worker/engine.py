@@ -19,6 +19,7 @@ from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner
 from worker.models.loader import resolve_dtype
+from worker.models.packed import pack_linears
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 from worker.request import Request, Status
 from worker.sampling import sample, stop_ids
@@ -50,6 +51,9 @@ class EngineConfig:
     # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
     # default: compiling takes a minute or more on a small CPU and gains little in float32
     compile: bool = False
+    # CPU bfloat16/float16: linears through oneDNN with weights packed once at load (the same
+    # bits, faster at decode sizes; see worker.models.packed). Not with `compile`
+    pack_weights: bool = True
 
     def validate(self) -> None:
         """ValueError naming the first knob out of range."""
@@ -76,6 +80,8 @@ class Engine:
         self.model = self.runner.model
         if config.compile:
             compile_model(self.model)
+        elif config.pack_weights:
+            pack_linears(self.model)
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)

@@ -181,3 +181,36 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2):
     second = engine_greedy(engine, [other], 8, "other")[0]
     assert [first.token_ids, second.token_ids] == expected
     assert second.cached_tokens >= 2032
+
+
+def test_smollm2_batch_over_a_shared_system_prompt_matches_hf(smollm2, monkeypatch):
+    """Requests behind one long system prompt decode together over its cached KV (the
+    native backend's cascade path: the shared prefix attended once per group)."""
+    import worker.attention_native as native
+
+    groups = []
+
+    def spy(table, kv_lens):
+        found = shared_prefixes(table, kv_lens)
+        groups.extend(len(members) for members, _ in found)
+        return found
+
+    shared_prefixes = native._shared_prefixes
+    monkeypatch.setattr(native, "_shared_prefixes", spy)
+    path, hf, tok = smollm2
+    system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(30))
+
+    def ask(text: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+        return tok.encode(
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+
+    prompts = [ask(q) for q in QUESTIONS]
+    expected = hf_greedy(hf, prompts, 16)
+    engine = Engine(EngineConfig(model=path, dtype="float32", kv_tokens=8192, page_size=16))
+    for rnd in range(2):
+        out = engine_greedy(engine, prompts, 16, f"sys{rnd}")
+        assert [c.token_ids for c in out] == expected
+    assert max(groups) == len(QUESTIONS)  # all four decoded over one shared prefix
