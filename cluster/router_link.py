@@ -53,8 +53,9 @@ class FleetLink:
         self.api_key = api_key  # vLLM workers require the routers' key
         self.registry: Any = None  # the router's `WorkerSync`, set by `build_router`
         self.version = -1
-        self.attached: set[str] = set()  # members this router has attached (ready or dead)
-        self.endpoints: dict[str, dict | None] = {}  # of each attached member, as attached
+        # members this router has attached (ready or dead), each with the endpoints it was
+        # attached at (None: our engine, reached through Ray)
+        self.attached: dict[str, dict | None] = {}
 
     async def join(self) -> None:
         """Attach every ready worker of the fleet now (each with its snapshot)."""
@@ -80,8 +81,7 @@ class FleetLink:
 
     def adopt(self, member: Member) -> Backend:
         """The member's backend; the member counts as attached from now on."""
-        self.attached.add(member.worker_id)
-        self.endpoints[member.worker_id] = member.endpoints
+        self.attached[member.worker_id] = member.endpoints
         return member_backend(member, self.api_key)
 
     def _new_ready(self, members: list[Member]) -> list[Member]:
@@ -93,7 +93,7 @@ class FleetLink:
                 continue
             if m.worker_id not in self.attached:
                 new.append(m)
-            elif m.endpoints != self.endpoints.get(m.worker_id):
+            elif m.endpoints != self.attached[m.worker_id]:
                 self.registry.detach(m.worker_id)
                 new.append(m)
         return new
@@ -101,9 +101,8 @@ class FleetLink:
     def _apply(self, members: list[Member]) -> None:
         """Detach members gone from the fleet; mark the ones found dead."""
         present = {m.worker_id: m for m in members}
-        for worker_id in sorted(self.attached - set(present)):
-            self.attached.discard(worker_id)
-            self.endpoints.pop(worker_id, None)
+        for worker_id in sorted(self.attached.keys() - present.keys()):
+            del self.attached[worker_id]
             self.registry.detach(worker_id)
         for member in members:
             if member.state == "down" and member.worker_id in self.attached:
@@ -131,8 +130,7 @@ class FleetControl:
 
     async def remove_worker(self, worker_id: str) -> None:
         """Kill the worker's actor and free its bundle (this router has already let go)."""
-        self.link.attached.discard(worker_id)
-        self.link.endpoints.pop(worker_id, None)
+        self.link.attached.pop(worker_id, None)
         await self.link.fleet.remove.remote(worker_id)
 
 

@@ -236,8 +236,7 @@ def _prefill(
         k_all, v_all = torch.cat((kp, kh), dim=2), torch.cat((vp, vh), dim=2)
         o = F.scaled_dot_product_attention(qh, k_all, v_all, attn_mask=mask, enable_gqa=True)
         return o[0].transpose(0, 1)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o_prefix, lse_prefix = flash(qh, kp, vp, 0.0, False)  # every prefix key is visible
-    o_self, lse_self = flash(qh, kh, vh, 0.0, True)  # q_len == its own keys: plain causal
+    o_prefix, lse_prefix = _FLASH(qh, kp, vp, 0.0, False)  # every prefix key is visible
+    o_self, lse_self = _FLASH(qh, kh, vh, 0.0, True)  # q_len == its own keys: plain causal
     o = _merge(o_prefix.float(), lse_prefix, o_self.float(), lse_self)
     return o[0].transpose(0, 1).to(q.dtype)
