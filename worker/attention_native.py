@@ -13,7 +13,10 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   attend to that prefix together, its KV gathered once per layer instead of once per member,
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
-  the KV a per-sequence gather reads.
+  the KV a per-sequence gather reads. In bfloat16, where `worker.decode_kernel` builds, such a
+  batch goes through that C kernel instead: the same groups as segments of key slots read
+  from the pool in place, one online softmax per query across its segments (no gather, mask
+  or merge). A batch without a group stays on torch's flash kernel, whose rounding is HF's.
 - Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
 - Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
   to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
@@ -30,7 +33,6 @@ import torch.nn.functional as F
 
 from worker import decode_kernel
 from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
-from worker.decode_kernel import DecodeKernel, supports
 
 
 class NativeAttention(AttentionBackend):
@@ -46,15 +48,15 @@ class NativeAttention(AttentionBackend):
         v_buf.index_copy_(0, batch.slot_mapping, v.to(v_buf.dtype))
         plan = batch.plan.get("native")
         if plan is None:
-            kernel = decode_kernel.load() if self.use_kernel and supports(q, k_buf) else None
+            use = self.use_kernel and decode_kernel.supports(q, k_buf)
+            kernel = decode_kernel.load() if use else None
             plan = _NativePlan.build(batch, kv_pool.num_kv_heads, kernel)
             batch.plan["native"] = plan
-        decode = self._decode if plan.kernel is None else plan.kernel_decode
         if plan.all_decode:
-            return decode(q, k_buf, v_buf, plan)
+            return self._decode(q, k_buf, v_buf, plan)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            out[plan.decode_rows] = decode(q[plan.decode_rows], k_buf, v_buf, plan)
+            out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_buf, v_buf, plan)
         same_dtype = k_buf.dtype == q.dtype
         for start, q_len, prefix_slots in plan.prefills:
             end = start + q_len
@@ -79,6 +81,8 @@ class NativeAttention(AttentionBackend):
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
     ) -> torch.Tensor:
         """One query per sequence: q [B, H, D] -> [B, H, D]."""
+        if plan.kernel is not None:  # the C kernel over the plan's segments, pool in place
+            return plan.kernel(q, k_buf, v_buf, *plan.segments)
         b, heads, dim = q.shape
         kv_heads, group = plan.num_kv_heads, heads // plan.num_kv_heads
         k, v = self._gather(k_buf, v_buf, plan)
@@ -148,15 +152,9 @@ class _NativePlan:
     num_kv_heads: int
     prefills: list[tuple[int, int, torch.Tensor | None]]  # start, q_len, cached-prefix slots
     shared: list[tuple[torch.Tensor, int]]  # per group: member indices [n], shared length
-    kernel: DecodeKernel | None = None  # set: decode through it, over `segments` (see below)
+    kernel: decode_kernel.DecodeKernel | None = None  # set: decode through it, over `segments`
     segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _additive: torch.Tensor | None = None
-
-    def kernel_decode(
-        self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
-    ) -> torch.Tensor:
-        """One query per sequence through the C kernel, reading the pool in place."""
-        return self.kernel(q, k_buf, v_buf, *self.segments)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """`decode_mask` as 0 / -inf in `dtype` (what the CPU flash kernel takes), made once."""
@@ -167,7 +165,7 @@ class _NativePlan:
 
     @staticmethod
     def build(
-        batch: AttentionBatch, num_kv_heads: int, kernel: DecodeKernel | None = None
+        batch: AttentionBatch, num_kv_heads: int, kernel: decode_kernel.DecodeKernel | None = None
     ) -> _NativePlan:
         device = batch.slot_mapping.device
         decode_seqs, rows, prefills = [], [], []
