@@ -258,7 +258,6 @@ class DecodeKernel:
             ctypes.c_void_p,
         ]
         self._fn = fn
-        self._state: torch.Tensor | None = None  # float32 online-softmax state, reused
 
     def __call__(
         self,
@@ -277,14 +276,13 @@ class DecodeKernel:
         b, heads, dim = q.shape
         kv_heads = k_buf.shape[1]
         q = q.contiguous()
-        need = b * heads * (dim + 2)
-        if self._state is None or self._state.numel() < need:
-            self._state = torch.empty(need, dtype=torch.float32)  # 64-byte aligned
+        # per call, not kept: engines in several threads of one process share this kernel
+        state = torch.empty(b * heads * (dim + 2), dtype=torch.float32)  # 64-byte aligned
         out = torch.empty_like(q)
         rc = self._fn(
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
             segments.data_ptr(), members.data_ptr(), segments.shape[0], b, heads, kv_heads,
-            dim, dim**-0.5, self._state.data_ptr(), out.data_ptr(),
+            dim, dim**-0.5, state.data_ptr(), out.data_ptr(),
         )  # fmt: skip
         if rc != 0:
             raise MemoryError("decode_attention: out of memory")
