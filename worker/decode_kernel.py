@@ -45,6 +45,7 @@ SOURCE = r"""
 #define KVS 512  /* keys per softmax block (torch's flash kernel uses the same) */
 #define QB 4   /* queries per score tile */
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -143,7 +144,7 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t 
 }
 
 /* acc [DV vectors] = acc * corr + sum_j p[j] * vf[j], four independent chains. */
-static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, v16 *acc,
+static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, v16u *acc,
                          float corr) {
     int64_t dv = 0;
     for (; dv + 4 <= DV; dv += 4) {
@@ -171,7 +172,7 @@ static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, 
 
 /* q [B, H, D], pools [S, KVH, D], out [B, H, D]: bfloat16 bits; D a multiple of 16.
    seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
-   state: float32 [B * H * (D + 2)], 64-byte aligned: accumulators [B * H, D], then the running
+   state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
    max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
 int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
@@ -230,7 +231,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
-                    weigh_values(p, nbk, vfv, DV, (v16 *)(acc + row * D), corr);
+                    weigh_values(p, nbk, vfv, DV, (v16u *)(acc + row * D), corr);
                 }
             }
         }
@@ -277,7 +278,7 @@ class DecodeKernel:
         kv_heads = k_buf.shape[1]
         q = q.contiguous()
         # per call, not kept: engines in several threads of one process share this kernel
-        state = torch.empty(b * heads * (dim + 2), dtype=torch.float32)  # 64-byte aligned
+        state = torch.empty(b * heads * (dim + 2), dtype=torch.float32)
         out = torch.empty_like(q)
         rc = self._fn(
             q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), slots.data_ptr(),
