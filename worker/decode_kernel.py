@@ -11,7 +11,8 @@ separate merge, mask or padding. Scores, softmax and the weighted sum are float3
 rounded to bfloat16 once.
 
 The source is compiled with the system C compiler (`cc -O3 -march=native`, about a second) into
-a cache directory and loaded with ctypes (which releases the GIL during the call). `load()`
+`kernels/` of the model cache (`$RADIXRAY_CACHE`, default ~/.cache/radixray/models), keyed by
+source, flags and machine, and loaded with ctypes (which releases the GIL during the call). `load()`
 returns None when there is no compiler or the build fails; the `native` backend then keeps its
 pure-torch path.
 """
@@ -31,10 +32,11 @@ from pathlib import Path
 
 import torch
 
+from worker.models.builtin import cache_root
+
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
-CACHE_DIR_ENV = "RADIXRAY_KERNEL_DIR"  # where the built library is kept (default: user cache)
 
 SOURCE = r"""
 #include <stdint.h>
@@ -311,7 +313,7 @@ def load() -> DecodeKernel | None:
         logger.info("no C compiler: the CPU decode kernel is off (pure-torch attention)")
         return None
     key = hashlib.sha256((SOURCE + " ".join(FLAGS) + platform.machine()).encode()).hexdigest()
-    directory = Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "radixray")
+    directory = cache_root() / "kernels"
     library = directory / f"decode_attention_{key[:16]}.so"
     try:
         if not library.exists():

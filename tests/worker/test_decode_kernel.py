@@ -157,7 +157,7 @@ def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
 
 
 def test_a_failed_build_leaves_the_kernel_off(monkeypatch, tmp_path):
-    monkeypatch.setenv(decode_kernel.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RADIXRAY_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert decode_kernel.load.__wrapped__() is None
     monkeypatch.setenv("CC", "no-such-compiler-here")
