@@ -36,7 +36,12 @@ from worker.models.builtin import cache_root
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-std=c11"]
+# Reassociation (to vectorize the sums and maxima), but not -ffast-math: with GCC < 13 a shared
+# library built with it sets flush-to-zero for the whole process when it is loaded.
+FLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+    "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
+]  # fmt: skip
 
 SOURCE = r"""
 #include <stdint.h>

@@ -156,6 +156,13 @@ def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
     assert torch.equal(out, NativeAttention(use_kernel=False).forward(q2, k2, v2, 0, batch2, pool2))
 
 
+def test_loading_the_kernel_keeps_subnormal_floats(kernel):
+    """The library must not switch the process to flush-to-zero (what -ffast-math does to a
+    shared library with GCC < 13): every torch op after it would round differently."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
+
+
 def test_a_failed_build_leaves_the_kernel_off(monkeypatch, tmp_path):
     monkeypatch.setenv("RADIXRAY_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
