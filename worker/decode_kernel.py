@@ -311,13 +311,13 @@ def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
 
 @cache
 def load() -> DecodeKernel | None:
-    """The kernel, built on first use (cached on disk by source and flags); None when it cannot
+    """The kernel, built on first use (cached on disk by source, flags and CPU); None when it cannot
     be built here (no C compiler, not x86-64/aarch64 Linux or macOS, a build error)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.info("no C compiler: the CPU decode kernel is off (pure-torch attention)")
         return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + platform.machine()).encode()).hexdigest()
+    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + _cpu()).encode()).hexdigest()
     directory = cache_root() / "kernels"
     library = directory / f"decode_attention_{key[:16]}.so"
     try:
@@ -327,6 +327,19 @@ def load() -> DecodeKernel | None:
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU decode kernel unavailable, using pure-torch attention: %s", e)
         return None
+
+
+def _cpu() -> str:
+    """The machine and its instruction-set flags: `-march=native` builds for this CPU, and a
+    cache directory shared between nodes must not hand one CPU's build to another (an
+    instruction the other lacks would kill the process)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + " " + (flags or platform.processor())
 
 
 def _build(compiler: str, directory: Path, library: Path) -> None:
