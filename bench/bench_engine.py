@@ -6,12 +6,17 @@
    transformers `generate` on the same model and prompts, both one request at a time (what a
    plain HF server does) and as one static padded batch of the same size. Goal: >= 3x at 32.
 
+3. With `--decode-steps N`, only the time of one decode step (process CPU time and wall) at 1, 8
+   and 32 concurrent requests behind one shared 1024-token system prompt (64 own tokens each),
+   all decoding: the median of N steps per run. CPU time barely moves with the machine's load.
+
 Every figure is the median over `--runs` runs. Timings on a shared machine are noisy: compare
 medians, not single runs.
 
     python bench/bench_engine.py                      # small model, CPU, 3 runs
     python bench/bench_engine.py --runs 5 --json out.json
     python bench/bench_engine.py --model DIR --dtype bfloat16   # engine and HF in bf16
+    python bench/bench_engine.py --model DIR --dtype bfloat16 --decode-steps 25
 """
 
 from __future__ import annotations
@@ -158,6 +163,46 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
     return results
 
 
+def decode_step(engine: Engine, n: int, steps: int, tag: str, vocab: int) -> tuple[float, float]:
+    """Median seconds (process CPU time, wall) of a decode-only step of `n` requests behind one
+    shared system prompt."""
+    system = random_prompt(1024, 99, vocab)
+    sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(n):
+        prompt = system + random_prompt(64, 10_000 + i, vocab)
+        engine.add_request(GenerateRequest(f"{tag}-{i}", prompt, sp))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed < len(r.tokens) - 1 for r in sched.running):
+        engine.step()  # prefill (chunked) until every request decodes
+    engine.step()
+    cpu, wall = [], []
+    for _ in range(steps):
+        c, w = time.process_time(), time.perf_counter()
+        engine.step()
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    while engine.has_work():
+        engine.step()
+    return statistics.median(cpu), statistics.median(wall)
+
+
+def bench_decode_steps(engine: Engine, args: argparse.Namespace, vocab: int) -> dict:
+    results = {}
+    for n in args.concurrency:
+        runs = [decode_step(engine, n, args.decode_steps, f"ds{n}-{r}", vocab)
+                for r in range(args.runs)]
+        cpu = statistics.median(c for c, _ in runs)
+        wall = statistics.median(w for _, w in runs)
+        results[n] = {"decode_step_cpu_s": cpu, "decode_step_wall_s": wall}
+        print(
+            f"{n:>3} concurrent over a shared 1024-token prefix: decode step {cpu * 1e3:7.1f} ms"
+            f" CPU, {wall * 1e3:7.1f} ms wall (median of {args.decode_steps} steps, "
+            f"median of {args.runs} runs)",
+            flush=True,
+        )
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
@@ -175,6 +220,8 @@ def main() -> None:
     # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
     # cores and a step can get 10x slower; --threads 0 keeps torch's default
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    parser.add_argument("--decode-steps", type=int, default=0,
+                        help="only time decode steps over a shared prefix, this many per run")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
@@ -198,8 +245,13 @@ def main() -> None:
         flush=True,
     )
     ttft(engine, "warmup", random_prompt(64, 0, vocab))
-    figures = {"ttft": bench_ttft(engine, args.ttft_lengths, args.runs, vocab)}
-    figures["throughput"] = bench_throughput(engine, str(resolve_model(args.model)), args, vocab)
+    if args.decode_steps:
+        figures = {"decode_step": bench_decode_steps(engine, args, vocab)}
+    else:
+        figures = {"ttft": bench_ttft(engine, args.ttft_lengths, args.runs, vocab)}
+        figures["throughput"] = bench_throughput(
+            engine, str(resolve_model(args.model)), args, vocab
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), **figures}, f, indent=2)

@@ -13,7 +13,10 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   attend to that prefix together, its KV gathered once per layer instead of once per member,
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
-  the KV a per-sequence gather reads.
+  the KV a per-sequence gather reads. In bfloat16, where `worker.decode_kernel` builds, such a
+  batch goes through that C kernel instead: the same groups as segments of key slots read
+  from the pool in place, one online softmax per query across its segments (no gather, mask
+  or merge). A batch without a group stays on torch's flash kernel, whose rounding is HF's.
 - Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
 - Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
   to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
@@ -28,13 +31,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker import decode_kernel
 from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
 
 
 class NativeAttention(AttentionBackend):
     name = "native"
 
-    def __init__(self) -> None:
+    def __init__(self, use_kernel: bool = True) -> None:
+        self.use_kernel = use_kernel  # the C decode kernel where it serves (else pure torch)
         self._workspace: torch.Tensor | None = None  # [2, n, D]: gathered decode K and V
 
     def forward(self, q, k, v, layer, batch, kv_pool):
@@ -43,7 +48,10 @@ class NativeAttention(AttentionBackend):
         v_buf.index_copy_(0, batch.slot_mapping, v.to(v_buf.dtype))
         plan = batch.plan.get("native")
         if plan is None:
-            plan = batch.plan["native"] = _NativePlan.build(batch, kv_pool.num_kv_heads)
+            use = self.use_kernel and decode_kernel.supports(q, k_buf)
+            kernel = decode_kernel.load() if use else None
+            plan = _NativePlan.build(batch, kv_pool.num_kv_heads, kernel)
+            batch.plan["native"] = plan
         if plan.all_decode:
             return self._decode(q, k_buf, v_buf, plan)
         out = torch.empty_like(q)
@@ -73,6 +81,8 @@ class NativeAttention(AttentionBackend):
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
     ) -> torch.Tensor:
         """One query per sequence: q [B, H, D] -> [B, H, D]."""
+        if plan.kernel is not None:  # the C kernel over the plan's segments, pool in place
+            return plan.kernel(q, k_buf, v_buf, *plan.segments)
         b, heads, dim = q.shape
         kv_heads, group = plan.num_kv_heads, heads // plan.num_kv_heads
         k, v = self._gather(k_buf, v_buf, plan)
@@ -128,6 +138,10 @@ class _NativePlan:
     member), each sequence attends to the rest of its keys, and the two results are merged by
     their log-sum-exp (cascade attention). `head_index` lists the pool rows of the per-sequence
     keys `[B, KVH, Kmax]` (padded), then each group's prefix `[KVH, L]`.
+
+    With the C kernel (`kernel`), the same groups become `segments` instead: (slots, segment
+    rows, members) as `DecodeKernel` takes them, one segment per group's prefix, then one per
+    sequence over the rest of its keys; nothing is gathered and no mask is built.
     """
 
     all_decode: bool  # every sequence decodes one token: the output is the decode output
@@ -138,6 +152,8 @@ class _NativePlan:
     num_kv_heads: int
     prefills: list[tuple[int, int, torch.Tensor | None]]  # start, q_len, cached-prefix slots
     shared: list[tuple[torch.Tensor, int]]  # per group: member indices [n], shared length
+    kernel: decode_kernel.DecodeKernel | None = None  # set: decode through it, over `segments`
+    segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _additive: torch.Tensor | None = None
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -148,7 +164,9 @@ class _NativePlan:
         return self._additive
 
     @staticmethod
-    def build(batch: AttentionBatch, num_kv_heads: int) -> _NativePlan:
+    def build(
+        batch: AttentionBatch, num_kv_heads: int, kernel: decode_kernel.DecodeKernel | None = None
+    ) -> _NativePlan:
         device = batch.slot_mapping.device
         decode_seqs, rows, prefills = [], [], []
         start = 0
@@ -172,6 +190,14 @@ class _NativePlan:
             for m in members.tolist():
                 starts[m] = length
         own = [n - s for n, s in zip(kv_lens, starts, strict=True)]
+        all_decode = not prefills
+        decode_rows = None if all_decode else torch.tensor(rows, device=device)
+        if kernel is not None and shared:
+            segments = _segments(table, kv_lens, starts, prefix_slots, shared)
+            return _NativePlan(
+                all_decode, decode_rows, None, None, max(own), num_kv_heads, prefills, shared,
+                kernel, segments,
+            )  # fmt: skip
         kmax = max(own)
         if shared:  # each sequence's keys from its start, padded with later (valid) entries
             at = torch.tensor(starts, device=device)[:, None] + torch.arange(kmax, device=device)
@@ -181,12 +207,35 @@ class _NativePlan:
         index += [(s[None, :] * num_kv_heads + heads[:, None]).reshape(-1) for s in prefix_slots]
         lens = torch.tensor(own, device=device)
         mask = (torch.arange(kmax, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        all_decode = not prefills
-        decode_rows = None if all_decode else torch.tensor(rows, device=device)
         head_index = torch.cat(index) if len(index) > 1 else index[0]
         return _NativePlan(
             all_decode, decode_rows, head_index, mask, kmax, num_kv_heads, prefills, shared
         )
+
+
+def _segments(
+    table: torch.Tensor,
+    kv_lens: list[int],
+    starts: list[int],
+    prefix_slots: list[torch.Tensor],
+    shared: list[tuple[torch.Tensor, int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's (slots, segments [n, 4], members): each group's prefix (its members'
+    queries together), then each sequence's keys from its `start` to its `kv_len`."""
+    b, width = table.shape
+    keys = torch.arange(width)[None, :]
+    own = (keys >= torch.tensor(starts)[:, None]) & (keys < torch.tensor(kv_lens)[:, None])
+    slots = torch.cat([*prefix_slots, table[own]])
+    rows, offset, member_offset = [], 0, 0
+    for members, length in shared:
+        rows.append((offset, length, member_offset, members.numel()))
+        offset += length
+        member_offset += members.numel()
+    for i, (start, kv_len) in enumerate(zip(starts, kv_lens, strict=True)):
+        rows.append((offset, kv_len - start, member_offset + i, 1))
+        offset += kv_len - start
+    members = torch.cat([*(m for m, _ in shared), torch.arange(b)])
+    return slots, torch.tensor(rows, dtype=torch.int64), members
 
 
 def _shared_prefixes(table: torch.Tensor, kv_lens: list[int]) -> list[tuple[torch.Tensor, int]]:

@@ -1,0 +1,234 @@
+"""The C decode-attention kernel: exact attention over segments of the paged pool, in place.
+
+Against a float64 reference on random segment layouts (groups over a shared prefix, sequences
+over their own keys, blocks longer than the kernel's 512-key softmax block); through the
+`native` backend against the `torch` reference; its fallback when it cannot be built; and on
+the real SmolLM2 weights in bfloat16 against HF transformers, decoding over a shared system
+prompt (the one path that takes it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import worker.attention_native as native
+from mem_cache.kv_pool import KVPool
+from tests.smollm2_env import require_smollm2_dir
+from worker import decode_kernel
+from worker.attention import AttentionBatch
+from worker.attention_backends import make_attention
+from worker.attention_native import MIN_SHARED, NativeAttention
+
+BF16 = torch.bfloat16
+POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = decode_kernel.load()
+    if k is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    return k
+
+
+def reference(q, k_buf, v_buf, seq_slots):
+    """float64 attention of each sequence's one query per head over its keys: [B, H, D]."""
+    b, heads, dim = q.shape
+    group = heads // k_buf.shape[1]
+    out = torch.empty(b, heads, dim, dtype=torch.float64)
+    for i, slots in enumerate(seq_slots):
+        k = k_buf[slots].double().repeat_interleave(group, 1)  # [L, H, D]
+        v = v_buf[slots].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) / dim**0.5
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+layouts = st.fixed_dictionaries(
+    {
+        "kv_heads": st.sampled_from([1, 2, 3]),
+        "group": st.sampled_from([1, 3, 4]),
+        "dim": st.sampled_from([16, 64]),
+        # per group of sequences: shared prefix length, own key counts of its members
+        "groups": st.lists(
+            st.tuples(st.integers(0, 700), st.lists(st.integers(1, 600), min_size=1, max_size=5)),
+            min_size=1,
+            max_size=3,
+        ),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(layout=layouts)
+def test_kernel_matches_float64_attention_over_any_segments(kernel, layout):
+    kvh, dim = layout["kv_heads"], layout["dim"]
+    heads = kvh * layout["group"]
+    gen = torch.Generator().manual_seed(layout["seed"])
+    k_buf = torch.randn(POOL, kvh, dim, generator=gen).to(BF16)
+    v_buf = torch.randn(POOL, kvh, dim, generator=gen).to(BF16)
+    perm = torch.randperm(POOL, generator=gen)
+    used, slots, rows, members, seq_slots = 0, [], [], [], []
+    offset, own_rows = 0, []
+    for prefix_len, owns in layout["groups"]:
+        prefix = perm[used : used + prefix_len]
+        used += prefix_len
+        first = len(seq_slots)
+        if prefix_len:  # one segment: the prefix, all the group's queries
+            rows.append((offset, prefix_len, len(members), len(owns)))
+            members.extend(range(first, first + len(owns)))
+            slots.append(prefix)
+            offset += prefix_len
+        for n in owns:
+            own = perm[used : used + n]
+            used += n
+            own_rows.append((len(seq_slots), own))
+            seq_slots.append(torch.cat([prefix, own]))
+    for seq, own in own_rows:  # then one segment per sequence over its own keys
+        rows.append((offset, own.numel(), len(members), 1))
+        members.append(seq)
+        slots.append(own)
+        offset += own.numel()
+    q = torch.randn(len(seq_slots), heads, dim, generator=gen).to(BF16)
+    out = kernel(
+        q, k_buf, v_buf, torch.cat(slots), torch.tensor(rows), torch.tensor(members)
+    )
+    ref = reference(q, k_buf, v_buf, seq_slots)
+    # bfloat16 weights and output: within a few bf16 steps of the exact result
+    torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
+
+
+def shared_prefix_batch(seed: int, prefill: bool):
+    """A bf16 pool, decoding sequences over one shared prefix (and one that shares nothing),
+    optionally a prefill chunk in the same pass; the batch as the engine builds it."""
+    gen = torch.Generator().manual_seed(seed)
+    kvh, dim, heads = 3, 64, 9
+    pool = KVPool(POOL, 1, kvh, dim, BF16)
+    pool.k_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    pool.v_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    perm = torch.randperm(POOL, generator=gen)
+    prefix = perm[: MIN_SHARED + 700]
+    shapes, seq_slots, used = [], [], prefix.numel()
+    for n in (5, 40, 1, 90):
+        seq_slots.append(torch.cat([prefix, perm[used : used + n]]))
+        shapes.append((1, seq_slots[-1].numel()))
+        used += n
+    seq_slots.append(perm[used : used + 50])  # alone
+    shapes.append((1, 50))
+    used += 50
+    if prefill:  # a chunk of 20 new tokens over 30 cached ones
+        seq_slots.insert(2, perm[used : used + 50])
+        shapes.insert(2, (20, 50))
+    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    table = torch.zeros(len(shapes), max(kv_lens) + 4, dtype=torch.int64)
+    for i, s in enumerate(seq_slots):
+        table[i, : s.numel()] = s
+    mapping = torch.cat([s[s.numel() - n :] for s, n in zip(seq_slots, q_lens, strict=True)])
+    batch = AttentionBatch(q_lens, kv_lens, mapping, slot_table=table)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, n, dim, generator=gen).to(BF16) for n in (heads, kvh, kvh))
+    return pool, batch, q, k, v
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_backend_with_the_kernel_matches_the_reference(kernel, prefill, seed):
+    outs = {}
+    for name in ("torch", "native"):
+        pool, batch, q, k, v = shared_prefix_batch(seed, prefill)
+        backend = make_attention(name)
+        outs[name] = backend.forward(q, k, v, 0, batch, pool).double()
+        if name == "native":
+            assert batch.plan["native"].kernel is kernel  # the group went through the kernel
+    torch.testing.assert_close(outs["native"], outs["torch"], atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
+    monkeypatch.setattr(native.decode_kernel, "load", lambda: None)
+    pool, batch, q, k, v = shared_prefix_batch(0, prefill=True)
+    out = NativeAttention().forward(q, k, v, 0, batch, pool)
+    assert batch.plan["native"].kernel is None
+    pool2, batch2, q2, k2, v2 = shared_prefix_batch(0, prefill=True)
+    assert torch.equal(out, NativeAttention(use_kernel=False).forward(q2, k2, v2, 0, batch2, pool2))
+
+
+def test_loading_the_kernel_keeps_subnormal_floats(kernel):
+    """The library must not switch the process to flush-to-zero (what -ffast-math does to a
+    shared library with GCC < 13): every torch op after it would round differently."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
+
+
+def test_a_failed_build_leaves_the_kernel_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("RADIXRAY_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert decode_kernel.load.__wrapped__() is None
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert decode_kernel.load.__wrapped__() is None
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(kernel, monkeypatch, page_size):
+    """Four chat requests behind one long system prompt decode through the kernel (computing
+    the prompt, then over its cached KV). Every token the engine picks is HF bfloat16's
+    greedy choice given the same text, up to bf16 noise: its HF logit is within `TIE` of the
+    best one (EOS aside: `min_tokens` bans it). Token-by-token identity is not asked for: in
+    bf16 a near-tie flips with any change of rounding (see test_engine_bf16), the pure-torch
+    path's included."""
+    from worker.engine import Engine, EngineConfig
+    from worker.offline import run_to_completion
+    from worker.protocol import GenerateRequest, SamplingParams
+
+    path = require_smollm2_dir()
+    transformers = pytest.importorskip("transformers")
+    tie, new_tokens = 0.25, 16  # 0.25: two bf16 steps of a logit between 16 and 32
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    served = []
+    build = native._NativePlan.build
+
+    def spy(batch, num_kv_heads, kern=None):
+        plan = build(batch, num_kv_heads, kern)
+        served.append(plan.kernel is not None)
+        return plan
+
+    monkeypatch.setattr(native._NativePlan, "build", staticmethod(spy))
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=BF16).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+        system = " ".join(f"Rule {i}: answer briefly and politely." for i in range(30))
+        questions = [
+            "What is the capital of France?",
+            "Write a haiku about the sea.",
+            "List three prime numbers.",
+            "Explain what a hash table is in one sentence.",
+        ]
+        prompts = []
+        for text in questions:
+            msgs = [{"role": "system", "content": system}, {"role": "user", "content": text}]
+            chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            prompts.append(tok.encode(chat, add_special_tokens=False))
+        engine = Engine(
+            EngineConfig(model=str(path), dtype="bfloat16", kv_tokens=8192, page_size=page_size)
+        )
+        sp = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
+        for rnd in range(2):  # the system prompt computed in this round, then cached
+            reqs = [GenerateRequest(f"r{rnd}-{i}", p, sp) for i, p in enumerate(prompts)]
+            out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
+            for req, prompt in zip(reqs, prompts, strict=True):
+                got = out[req.request_id].token_ids
+                with torch.inference_mode():
+                    ids = torch.tensor([prompt + got[:-1]])
+                    logits = hf(ids).logits[0, len(prompt) - 1 :].float()
+                    logits[:, engine.eos_token_ids] = float("-inf")
+                    picked = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+                    gap = logits.max(-1).values - picked
+                assert float(gap.max()) <= tie, (tok.decode(got), gap.tolist())
+        assert "Paris" in tok.decode(out[reqs[0].request_id].token_ids)
+        assert any(served)  # the decode steps over the shared prompt took the kernel
+    finally:
+        torch.set_num_threads(before)
