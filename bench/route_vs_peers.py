@@ -9,12 +9,13 @@ One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-ro
 on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skipped without
 --vllm-router), round robin (`radixray route --policy round_robin`) and, with --base-tree,
 `radixray-base` (another checkout's `radixray route`: a change side by side with the code it
-changes), each on the shared-prefix workload and a Mooncake-trace slice. With --repeat the
-routers take turns within each round and the figures are medians. The engines are warmed up
-once and their prefix caches reset before every run (vLLM dev mode's `/reset_prefix_cache`).
-Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests
-per engine (from each engine's `vllm:request_success_total`). Every process binds 127.0.0.1
-(the engines' event sockets are ipc).
+changes) and, with --variant NAME=JSON, `radixray route --cost-config JSON` as router NAME, each
+on the shared-prefix workload and a Mooncake-trace slice. With --repeat the routers take turns
+within each round and the figures are medians. The engines are warmed up once and their prefix
+caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
+vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests per engine (from each
+engine's `vllm:request_success_total`). Every process binds 127.0.0.1 (the engines' event
+sockets are ipc).
 """
 
 from __future__ import annotations
@@ -90,10 +91,11 @@ def reset_caches(engines: list[VllmServer]) -> None:
 
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
-    if kind in ("radixray", "radixray-base", "round_robin"):
+    if kind in ("radixray", "radixray-base", "round_robin") or kind in args.variants:
         policy = "round_robin" if kind == "round_robin" else "cost"
+        variant = ["--cost-config", args.variants[kind]] if kind in args.variants else []
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
-                "--port", str(port), "--policy", policy,
+                "--port", str(port), "--policy", policy, *variant,
                 *[a for e in engines for a in ("--worker", e.spec())]]
     # both peers export Prometheus metrics on a fixed port by default (29000), which another
     # router on the machine may hold
@@ -202,6 +204,9 @@ def main() -> None:
                         default="radixray,sglang-router,vllm-router,vllm-router-kv,round_robin")
     parser.add_argument("--base-tree", default=None,
                         help="a checkout whose `radixray route` runs as router radixray-base")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="a router NAME (add it to --routers): `radixray route` with "
+                        "--cost-config JSON")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds; the routers take turns within each, figures are medians")
     parser.add_argument("--groups", type=int, default=6)
@@ -217,6 +222,7 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
+    args.variants = dict(v.split("=", 1) for v in args.variant)
     # a plain kill still stops the engines and the router (the `finally`s below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")
