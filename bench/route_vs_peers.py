@@ -15,7 +15,7 @@ within each round and the figures are medians. The engines are warmed up once an
 caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
 vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests per engine (from each
 engine's `vllm:request_success_total`). Every process binds 127.0.0.1 (the engines' event
-sockets are ipc).
+sockets are ipc). radixray's routing decisions are logged in the run's log folder (KIND.log).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
         policy = "round_robin" if kind == "round_robin" else "cost"
         variant = ["--cost-config", args.variants[kind]] if kind in args.variants else []
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
-                "--port", str(port), "--policy", policy, *variant,
+                "--port", str(port), "--policy", policy, *variant, "--log-level", "debug",
                 *[a for e in engines for a in ("--worker", e.spec())]]
     # both peers export Prometheus metrics on a fixed port by default (29000), which another
     # router on the machine may hold
