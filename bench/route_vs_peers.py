@@ -94,8 +94,10 @@ def router_command(kind: str, port: int, engines: list[VllmServer], args) -> lis
     if kind in ("radixray", "radixray-base", "round_robin") or kind in args.variants:
         policy = "round_robin" if kind == "round_robin" else "cost"
         variant = ["--cost-config", args.variants[kind]] if kind in args.variants else []
+        if kind != "radixray-base":  # another checkout may not have the flag
+            variant += ["--log-level", "debug"]
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
-                "--port", str(port), "--policy", policy, *variant, "--log-level", "debug",
+                "--port", str(port), "--policy", policy, *variant,
                 *[a for e in engines for a in ("--worker", e.spec())]]
     # both peers export Prometheus metrics on a fixed port by default (29000), which another
     # router on the machine may hold
