@@ -71,7 +71,7 @@ class ComputeTerm:
     # every worker would compute weighs idle_weight plus this per running request (it stalls
     # each of them), up to the full weight (a large value: the full weight while anything
     # runs there); its recompute beyond that part weighs the full weight
-    decoding_weight: float = 4.0
+    decoding_weight: float = 8.0
     # True: a worker with no prefill queued counts as idle even while it decodes. Latency
     # first: lower TTFT, fewer hits (Mooncake matrix: 0.74-0.89 of pooled); under KV pressure
     # it can queue badly (chat, load 0.8, 200k KV: 11x the mean TTFT)
