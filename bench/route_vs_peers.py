@@ -164,12 +164,12 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
                                 rate=args.rate)
     out = {"shared-prefix": bench_requests(generated_shared_prefix(shared, 0),
                                            args.words_per_block, 16)}
-    if TRACE.exists():
+    if TRACE.exists() and "mooncake" in args.workloads:
         trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
         # requests longer than the engines' context would only be refused
         trace.requests = [r for r in trace.requests if len(r.blocks) <= args.trace_max_blocks]
         out["mooncake"] = bench_requests(trace, args.trace_words_per_block, 16)
-    return out
+    return {name: requests for name, requests in out.items() if name in args.workloads}
 
 
 def medians(summaries: list[dict]) -> dict:
@@ -211,6 +211,8 @@ def main() -> None:
                         "--cost-config JSON")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds; the routers take turns within each, figures are medians")
+    parser.add_argument("--workloads", default="shared-prefix,mooncake",
+                        type=lambda text: text.split(","))
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
