@@ -9,12 +9,13 @@ One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-ro
 on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skipped without
 --vllm-router), round robin (`radixray route --policy round_robin`) and, with --base-tree,
 `radixray-base` (another checkout's `radixray route`: a change side by side with the code it
-changes), each on the shared-prefix workload and a Mooncake-trace slice. With --repeat the
-routers take turns within each round and the figures are medians. The engines are warmed up
-once and their prefix caches reset before every run (vLLM dev mode's `/reset_prefix_cache`).
-Figures: hit rate from vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests
-per engine (from each engine's `vllm:request_success_total`). Every process binds 127.0.0.1
-(the engines' event sockets are ipc).
+changes) and, with --variant NAME=JSON, `radixray route --cost-config JSON` as router NAME, each
+on the shared-prefix workload and a Mooncake-trace slice. With --repeat the routers take turns
+within each round and the figures are medians. The engines are warmed up once and their prefix
+caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
+vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests per engine (from each
+engine's `vllm:request_success_total`). Every process binds 127.0.0.1 (the engines' event
+sockets are ipc). radixray's routing decisions are logged in the run's log folder (KIND.log).
 """
 
 from __future__ import annotations
@@ -90,10 +91,13 @@ def reset_caches(engines: list[VllmServer]) -> None:
 
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
-    if kind in ("radixray", "radixray-base", "round_robin"):
+    if kind in ("radixray", "radixray-base", "round_robin") or kind in args.variants:
         policy = "round_robin" if kind == "round_robin" else "cost"
+        variant = ["--cost-config", args.variants[kind]] if kind in args.variants else []
+        if kind != "radixray-base":  # another checkout may not have the flag
+            variant += ["--log-level", "debug"]
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
-                "--port", str(port), "--policy", policy,
+                "--port", str(port), "--policy", policy, *variant,
                 *[a for e in engines for a in ("--worker", e.spec())]]
     # both peers export Prometheus metrics on a fixed port by default (29000), which another
     # router on the machine may hold
@@ -160,12 +164,12 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
                                 rate=args.rate)
     out = {"shared-prefix": bench_requests(generated_shared_prefix(shared, 0),
                                            args.words_per_block, 16)}
-    if TRACE.exists():
+    if TRACE.exists() and "mooncake" in args.workloads:
         trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
         # requests longer than the engines' context would only be refused
         trace.requests = [r for r in trace.requests if len(r.blocks) <= args.trace_max_blocks]
         out["mooncake"] = bench_requests(trace, args.trace_words_per_block, 16)
-    return out
+    return {name: requests for name, requests in out.items() if name in args.workloads}
 
 
 def medians(summaries: list[dict]) -> dict:
@@ -202,8 +206,13 @@ def main() -> None:
                         default="radixray,sglang-router,vllm-router,vllm-router-kv,round_robin")
     parser.add_argument("--base-tree", default=None,
                         help="a checkout whose `radixray route` runs as router radixray-base")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=JSON",
+                        help="a router NAME (add it to --routers): `radixray route` with "
+                        "--cost-config JSON")
     parser.add_argument("--repeat", type=int, default=1,
                         help="rounds; the routers take turns within each, figures are medians")
+    parser.add_argument("--workloads", default="shared-prefix,mooncake",
+                        type=lambda text: text.split(","))
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
@@ -217,6 +226,7 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
+    args.variants = dict(v.split("=", 1) for v in args.variant)
     # a plain kill still stops the engines and the router (the `finally`s below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")

@@ -209,6 +209,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                         f"${API_KEY_ENV}); engines are called with the same key")
     parser.add_argument("--wait-s", type=float, default=600.0, metavar="S",
                         help="how long to wait for the engines at start (default: %(default)s)")
+    parser.add_argument("--log-level", default="warning",
+                        choices=["debug", "info", "warning", "error"],
+                        help="the router's log level on stderr; debug logs every routing "
+                        "decision with each engine's match and estimate (default: %(default)s)")
 
 
 def build_app(args: argparse.Namespace) -> object:
@@ -238,8 +242,12 @@ def build_app(args: argparse.Namespace) -> object:
 
 
 def run_route(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("radixray").setLevel(args.log_level.upper())  # others stay at warning
     try:
         app = build_app(args)
     except ValueError as exc:

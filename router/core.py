@@ -18,6 +18,7 @@ Not thread-safe: one owner (an asyncio loop, the simulator) calls it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -32,6 +33,9 @@ from router.registry import DEAD, WorkerRegistry, WorkerState
 from router.sessions import SessionConfig, SessionTable
 from router.views import Decision, RouteRequest, WorkerView
 from worker.protocol import EngineShape, WorkerStats
+
+# every routing decision at DEBUG: the request, the choice, and each candidate's view of it
+decisions = logging.getLogger("radixray.router.decisions")
 
 
 @dataclass
@@ -248,6 +252,8 @@ class RoutingCore:
         decision.cached_tokens, decision.host_tokens = self.estimator.cached_tokens(request, view)
         top = max(v.matched_blocks for v in candidates)
         holders = [v.worker_id for v in candidates if v.matched_blocks == top] if top else []
+        if decisions.isEnabledFor(logging.DEBUG):
+            decisions.debug("%s", _describe(request, decision, candidates))
         return request, decision, view, holders
 
     def _view(self, worker: WorkerState, now: float) -> WorkerView:
@@ -329,3 +335,16 @@ def next_batch(cursor: tuple[int, int] | None, epoch: int, seq: int, snapshot: b
 
 def is_snapshot(events: Sequence[object]) -> bool:
     return bool(events) and isinstance(events[0], AllCleared)
+
+
+def _describe(request: RouteRequest, decision: Decision, views: Sequence[WorkerView]) -> str:
+    """One line per decision: the request's size, the choice and why, then per candidate its
+    match (blocks), booked requests, queue and estimate (wait, prefill, first step), seconds."""
+    parts = [f"{request.request_id} tokens={request.num_tokens} -> {decision.worker_id} "
+             f"({decision.reason})"]
+    for v in views:
+        wait, prefill, step = v.estimate[0], v.estimate[1], v.estimate[2]
+        parts.append(f"{v.worker_id}: match={v.matched_blocks} booked={v.requests} "
+                     f"queue={v.queue_s:.3f} wait={wait:.3f} prefill={prefill:.3f} "
+                     f"step={step:.3f}")
+    return " | ".join(parts)

@@ -14,7 +14,13 @@ The terms (seconds of score per second of the named quantity):
   costs more than it saves. On an idle worker (nothing booked or reported; with
   `idle_while_decoding`, nothing queued to prefill) the weight is only `idle_weight`: nobody
   waits behind it now, so a prefix every worker needs (a shared system prompt) gets computed
-  there once instead of every request piling onto the workers that hold it.
+  there once instead of every request piling onto the workers that hold it. On any other
+  worker, the part of the prefill that every worker would have to compute (the least prefill
+  among the candidates) weighs `idle_weight` + `stall_weight` x its requests (running and
+  queued), up to the full weight: it stalls those and nobody else; only what it recomputes
+  beyond that part weighs the full weight. Without that, a prefix holder with one request
+  weighed its own 128-token remainder 24-30 times, above an idle worker's whole 768-token
+  recompute at `idle_weight`, and the prefix was computed again.
 - `tail`: the part of the TTFT past `tail_ttft_s` counts `weight` times more, so a request is
   not left to wait into the tail for the sake of its cached prefix.
 - `guard`: a worker where the request's TTFT would be in the tail and more than `margin_s` +
@@ -61,9 +67,11 @@ class ComputeTerm:
     long_ttft_s: float = 0.75  # shrinks past this best TTFT (0: never)
     long_power: float = 1.0
     idle_weight: float = 2.0  # the weight on an idle worker (nothing booked, reported)
-    # True: a worker with no prefill queued counts as idle even while it decodes. Latency
-    # first: lower TTFT, fewer hits (Mooncake matrix: 0.74-0.89 of pooled); under KV pressure
-    # it can queue badly (chat, load 0.8, 200k KV: 11x the mean TTFT)
+    # on a worker that is not idle, the part of the prefill every worker would compute (the
+    # least among the candidates) weighs idle_weight plus this per request there (decoding or
+    # queued: it stalls each of them), up to the full weight; its recompute beyond that part
+    # weighs the full weight
+    stall_weight: float = 8.0
     idle_while_decoding: bool = False
 
 
@@ -155,17 +163,22 @@ def scores(terms: CostTerms, request: RouteRequest, views: Sequence[WorkerView])
     decode = 0.0 if terms.decode is None else terms.decode.weight * request.expected_output
     idle_while_decoding = compute is not None and compute.idle_while_decoding
     idle_weight = 0.0 if compute is None else compute.idle_weight
+    stall_weight = 0.0 if compute is None else compute.stall_weight
+    least_prefill = min(e[1] for e in estimates)  # what every worker has to compute
     out = []
     for (wait, prefill, step, _, _, joined_step), view in zip(estimates, views, strict=True):
         ttft = wait + prefill + step
-        if idle_while_decoding:
-            idle = view.queue_s <= 0
-        else:  # nothing booked, queued or in its own last report: between two requests
-            stats = view.stats  # the bookings here may end before its report says so
-            reported = 0 if stats is None else stats.running + stats.waiting
-            idle = view.requests == 0 and reported == 0 and view.queue_s <= 0
-        harm = min(idle_weight, weight - 1.0) if idle else weight - 1.0
-        score = ttft + harm * prefill + decode * joined_step
+        harm = (weight - 1.0) * prefill
+        stats = view.stats  # the bookings here may end before its report says so
+        reported = 0 if stats is None else stats.running + stats.waiting
+        requests = max(view.load, reported, view.queue_s > 0)  # a queue is someone's
+        if view.queue_s <= 0 and (requests == 0 or idle_while_decoding):
+            harm = min(idle_weight, weight - 1.0) * prefill  # idle: nobody waits behind it
+        else:  # the prefill any worker would do stalls the requests there; a recompute on
+            # top of that burns capacity that later requests wait for
+            own = min(idle_weight + stall_weight * requests, weight - 1.0)
+            harm += (own - weight + 1.0) * min(prefill, least_prefill)
+        score = ttft + harm + decode * joined_step
         rate = view.affinity_rate
         score += affinity * rate * prefill * prefill
         if demand:

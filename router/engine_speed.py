@@ -10,7 +10,13 @@ times each of its requests to the engine instead:
   its slope is the time per prompt token, 1 / speed; its intercept the fixed cost of a request
   (HTTP, scheduling, the first decode step), which is not prefill;
 - decode step: the median over recent requests of the time between a request's first and
-  last tokens per token generated in between.
+  last tokens per token generated in between, once `min_steps` requests have been timed (the
+  first requests of a fresh engine carry its warm-up: one of them at 30x its later steps was
+  seen to take every later request away from a vLLM).
+
+Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
+since would otherwise keep that figure forever, and `cost` would keep routing around it; with
+its figures gone it is priced like its peers again and measured anew.
 
 A line through a few noisy timings can come out nearly flat (a speed tens of times the real
 one, which would draw every uncached prompt to that engine) or cross zero below the origin
@@ -26,7 +32,9 @@ prefixes to an engine that holds none.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
@@ -40,22 +48,32 @@ class EngineSpeedConfig:
     (the fixed cost of a request dominates them).
     min_points / min_spread / min_slope_sigmas: timings needed for the prefill line, the span
     of their uncached lengths (tokens), and how many standard errors above zero its slope must
-    be (see the module docstring)."""
+    be (see the module docstring).
+    min_steps: timed decodes needed for the decode step.
+    max_age_s: timings older than this (seconds) no longer count."""
 
     window: int = 64
     min_uncached: int = 16
     min_points: int = 4
     min_spread: int = 256
     min_slope_sigmas: float = 2.0
+    min_steps: int = 4
+    max_age_s: float = 120.0
 
 
 class EngineSpeed:
     """Recent request timings of one engine; see the module docstring."""
 
-    def __init__(self, config: EngineSpeedConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineSpeedConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config or EngineSpeedConfig()
-        self._prefill: deque[tuple[int, float]] = deque(maxlen=self.config.window)
-        self._steps: deque[float] = deque(maxlen=self.config.window)
+        self.clock = clock
+        # (when, uncached tokens, ttft s) and (when, s per token), oldest first
+        self._prefill: deque[tuple[float, int, float]] = deque(maxlen=self.config.window)
+        self._steps: deque[tuple[float, float]] = deque(maxlen=self.config.window)
 
     def observe(
         self,
@@ -68,15 +86,23 @@ class EngineSpeed:
         """One finished request: its uncached prompt tokens and time to first token (used only
         when it was not `queued_behind_own`, i.e. sent with nothing else of the router's in
         flight), and `decode_tokens` tokens generated in `decode_s` after the first."""
+        now = self.clock()
         if not queued_behind_own and uncached_tokens >= self.config.min_uncached and ttft_s > 0:
-            self._prefill.append((uncached_tokens, ttft_s))
+            self._prefill.append((now, uncached_tokens, ttft_s))
         if decode_tokens > 0 and decode_s > 0:
-            self._steps.append(decode_s / decode_tokens)
+            self._steps.append((now, decode_s / decode_tokens))
+
+    def _expire(self) -> None:
+        oldest = self.clock() - self.config.max_age_s
+        for timings in (self._prefill, self._steps):
+            while timings and timings[0][0] < oldest:
+                timings.popleft()
 
     @property
     def prefill_tokens_per_s(self) -> float:
         """Uncached prompt tokens per second; 0.0 when unknown."""
-        cfg, points = self.config, list(self._prefill)
+        self._expire()
+        cfg, points = self.config, [(n, t) for _, n, t in self._prefill]
         if len(points) < cfg.min_points:
             return 0.0
         lengths = [n for n, _ in points]
@@ -95,4 +121,7 @@ class EngineSpeed:
     @property
     def decode_step_s(self) -> float:
         """Seconds per generated token after the first; 0.0 when unknown."""
-        return median(self._steps) if self._steps else 0.0
+        self._expire()
+        if len(self._steps) < self.config.min_steps:
+            return 0.0
+        return median(step for _, step in self._steps)

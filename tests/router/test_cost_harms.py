@@ -25,7 +25,9 @@ from router.views import RouteRequest, WorkerView
 from worker.protocol import WorkerStats
 
 SPEED = 1000.0  # tokens/s: a prompt of N uncached tokens takes N / 1000 s
-PLAIN = ComputeTerm(weight=16.0, busy_weight=0.0, backlog_weight=0.0, long_ttft_s=0.0)
+# a worker with any request on it has the full weight (`stall_weight` has its own test)
+PLAIN = ComputeTerm(weight=16.0, busy_weight=0.0, backlog_weight=0.0, long_ttft_s=0.0,
+                    stall_weight=1e9)
 
 
 class Model:
@@ -125,6 +127,30 @@ def test_a_worker_is_idle_only_when_its_own_last_report_shows_it_empty_too() -> 
     assert pick(model(**knobs), request, [cached, empty]) == "free"  # 3 < 3.5 + 16 x 0.5
     between = WorkerView("free", stats=WorkerStats("free", running=2))  # released since
     assert pick(model(**knobs), request, [cached, between]) == "cached"  # 2 + 16 x 2 > 11.4
+
+
+def test_a_prefix_holder_that_only_decodes_weighs_its_prefill_by_what_it_stalls() -> None:
+    """768 of 896 tokens cached on a worker decoding R requests with nothing queued (remainder
+    128 tokens: 0.128 s), or a whole recompute on an idle worker (0.896 s at `idle_weight` 2:
+    2.69 s of score). With one request decoding, the remainder stalls that one: weight 2 + 4 x 1
+    (0.9 s), and the holder keeps its prefix. A live run lost these hits to the full weight,
+    24 x 0.128 + 0.14 = 3.2 s; with six decoding, the full weight applies again, and so it does
+    with a `stall_weight` too large to matter."""
+    request = RouteRequest("r", 896, 56, block_size=16)
+
+    def views(running: int) -> list[WorkerView]:
+        return [WorkerView("holder", matched_blocks=48, requests=running), WorkerView("idle")]
+
+    compute = ComputeTerm(busy_weight=0.0, backlog_weight=0.0, long_ttft_s=0.0, idle_weight=2.0,
+                          stall_weight=4.0)  # weight 24: 24 x the prefill on a busy worker
+    assert pick(model(compute), request, views(1)) == "holder"
+    assert pick(model(compute), request, views(6)) == "idle"
+    assert pick(model(replace(compute, stall_weight=1e9)), request, views(1)) == "idle"
+    # the same while the holder still prefills its one request for 0.2 s (busy share 1/2)
+    queued = [WorkerView("holder", matched_blocks=48, requests=1, queue_s=0.2), WorkerView("idle")]
+    assert pick(model(replace(compute, busy_weight=4.0)), request, queued) == "holder"
+    full = replace(compute, busy_weight=4.0, stall_weight=1e9)
+    assert pick(model(full), request, queued) == "idle"  # 0.128 x 30 + 0.34 > 0.896 x 3
 
 
 def busy_case(others_queue_s: float) -> tuple[RouteRequest, list[WorkerView]]:

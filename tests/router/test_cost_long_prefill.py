@@ -17,7 +17,8 @@ SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s
 
 def model(long_ttft_s: float) -> CostTerms:
     """The compute term alone (the others are tested in test_cost_harms.py)."""
-    compute = ComputeTerm(weight=16.0, busy_weight=0.0, long_ttft_s=long_ttft_s, long_power=2.0)
+    compute = ComputeTerm(weight=16.0, busy_weight=0.0, long_ttft_s=long_ttft_s, long_power=2.0,
+                          stall_weight=1e9)  # any request there: the full weight
     return CostTerms.only(compute=compute)
 
 

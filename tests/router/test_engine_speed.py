@@ -80,7 +80,41 @@ def test_decode_step_is_the_median_time_per_token_after_the_first():
     speed.observe(0, 0.1, 0.3, 10, queued_behind_own=True)  # 30 ms
     speed.observe(0, 0.1, 5.0, 10, queued_behind_own=True)  # a stall: the median ignores it
     speed.observe(0, 0.1, 0.0, 0, queued_behind_own=False)  # one token: no step
+    assert speed.decode_step_s == 0.0  # three timed decodes: too few to say
+    speed.observe(0, 0.1, 0.3, 10, queued_behind_own=True)
     assert speed.decode_step_s == pytest.approx(0.03)
+
+
+def test_a_fresh_engines_warm_up_does_not_set_its_step():
+    """A fresh vLLM's first request decoded at 85 ms a token, its later ones at 3 ms (seen in
+    `tests/vllm/test_vllm_route.py`). Taken alone, that one timing priced the engine 30x slower
+    than its twin, and `cost` sent every later request (and so every prefix) to the twin."""
+    speed = EngineSpeed()
+    speed.observe(394, 0.3, 0.255, 3, queued_behind_own=False)
+    assert speed.decode_step_s == 0.0  # unknown: the fleet's median prices it
+    for _ in range(3):
+        speed.observe(394, 0.05, 0.009, 3, queued_behind_own=False)
+    assert speed.decode_step_s == pytest.approx(0.003)
+
+
+def test_old_timings_expire_so_a_shunned_engine_is_measured_again():
+    """An engine timed during a slow spell gets no more requests; once its timings are older
+    than `max_age_s` it has no figures, is priced like its peers, and its next timings count."""
+    now = [0.0]
+    speed = EngineSpeed(EngineSpeedConfig(max_age_s=60.0), clock=lambda: now[0])
+    for n in (100, 400, 700, 1000):
+        now[0] += 1.0
+        speed.observe(n, n / 100, 0.5, 10, queued_behind_own=False)  # 100 tokens/s, 50 ms
+    assert speed.prefill_tokens_per_s == pytest.approx(100.0)
+    assert speed.decode_step_s == pytest.approx(0.05)
+    now[0] += 57.5  # the oldest timing is 61.5 s old, the newest 58.5 s
+    assert speed.prefill_tokens_per_s == 0.0  # three left: too few for a line
+    assert speed.decode_step_s == 0.0
+    now[0] += 5.0  # all four are past max_age_s: the new timings alone set the figures
+    for n in (100, 400, 700, 1000):
+        speed.observe(n, n / 1000, 0.1, 10, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(1000.0)
+    assert speed.decode_step_s == pytest.approx(0.01)
 
 
 def test_recent_requests_replace_old_ones():
@@ -107,7 +141,7 @@ def test_http_backend_reports_the_speeds_it_timed():
         async def run():
             await backend.ready()
             before = await backend.stats()
-            for i in range(3):
+            for i in range(4):
                 request = GenerateRequest(f"r{i}", list(range(1, 40)),
                                           SamplingParams(max_tokens=6))
                 [c async for c in backend.generate(request)]
