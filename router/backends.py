@@ -296,16 +296,18 @@ class HttpBackend(Backend):
                     raise kind(f"{self.worker_id}: HTTP {resp.status}: {text[:500]}")
                 async for body in sse_json(resp.content):
                     chunk, usage = self._parse(request.request_id, body)
+                    if chunk is not None:
+                        clock.tokens(len(chunk.token_ids))
+                        if last is not None:  # past the finishing chunk: pass that one on
+                            yield last
+                        last = chunk
                     if usage and last is not None:
                         last.prompt_tokens = usage.get("prompt_tokens", 0)
                         details = usage.get("prompt_tokens_details") or {}
                         last.cached_tokens = int(details.get("cached_tokens") or 0)
-                    if chunk is None:
-                        continue
-                    clock.tokens(len(chunk.token_ids))
-                    if last is not None:
-                        yield last
-                    last = chunk
+                    if last is not None and last.finish_reason is None:
+                        yield last  # at once: only the finishing chunk waits for the usage
+                        last = None
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise BackendDead(f"{self.worker_id}: {exc}") from exc
         finally:

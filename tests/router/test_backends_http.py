@@ -64,6 +64,32 @@ def test_generate_streams_token_ids_and_usage(upstream, tokenizer):
     assert all(c.logprobs and len(c.logprobs) == len(c.token_ids) for c in chunks)
 
 
+def test_each_chunk_is_passed_on_as_it_arrives(tokenizer):
+    """The server sends a token every 0.3 s: each reaches the router's caller when it comes,
+    not when the next one does (holding a chunk back added a decode step to every TTFT); only
+    the finishing chunk waits, for the usage that follows it."""
+    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01),
+                     [FakeWorker("slow", delay_s=0.3)], tokenizer=tokenizer)
+    with LiveServer(app) as server:
+        backend = HttpBackend("h", server.url)
+
+        async def run():
+            await backend.ready()
+            request = GenerateRequest("r1", list(range(1, 40)), SamplingParams(max_tokens=4))
+            loop, arrivals = asyncio.get_running_loop(), []
+            sent = loop.time()
+            async for chunk in backend.generate(request):
+                arrivals.append((loop.time() - sent, chunk))
+            await backend.close()
+            return arrivals
+
+        arrivals = asyncio.run(run())
+    assert sum(len(c.token_ids) for _, c in arrivals) == 4
+    times = [t for t, _ in arrivals]
+    assert all(b - a >= 0.2 for a, b in zip(times, times[1:], strict=False))  # none held back
+    assert arrivals[-1][1].finish_reason == "length" and arrivals[-1][1].prompt_tokens == 39
+
+
 def test_unreachable_server_is_backend_dead():
     backend = HttpBackend("x", f"http://127.0.0.1:{free_port()}")
 
