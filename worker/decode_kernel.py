@@ -12,9 +12,9 @@ rounded to bfloat16 once.
 
 The source is compiled with the system C compiler (`cc -O3 -march=native`, about a second) into
 `kernels/` of the model cache (`$RADIXRAY_CACHE`, default ~/.cache/radixray/models), keyed by
-source, flags and machine, and loaded with ctypes (which releases the GIL during the call). `load()`
-returns None when there is no compiler or the build fails; the `native` backend then keeps its
-pure-torch path.
+source, flags and the CPU's instruction set, and loaded with ctypes (which releases the GIL
+during the call). `load()` returns None when there is no compiler or the build fails; the
+`native` backend then keeps its pure-torch path.
 """
 
 from __future__ import annotations
@@ -311,8 +311,8 @@ def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
 
 @cache
 def load() -> DecodeKernel | None:
-    """The kernel, built on first use (cached on disk by source, flags and CPU); None when it cannot
-    be built here (no C compiler, not x86-64/aarch64 Linux or macOS, a build error)."""
+    """The kernel, built on first use (cached on disk by source, flags and CPU); None when it
+    cannot be built here (no C compiler, not x86-64/aarch64 Linux or macOS, a build error)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.info("no C compiler: the CPU decode kernel is off (pure-torch attention)")

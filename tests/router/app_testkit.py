@@ -203,6 +203,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def openai_server(worker: FakeWorker, tokenizer: Any) -> LiveServer:
+    """A radixray app over one FakeWorker, to be served live (enter it): an OpenAI-compatible
+    server with the vLLM-style `return_token_ids` that `HttpBackend` fronts."""
+    from router.app import create_app
+    from router.config import RouterConfig
+
+    config = RouterConfig(model="tiny", event_poll_s=0.01)
+    return LiveServer(create_app(config, [worker], tokenizer=tokenizer))
+
+
 class LiveServer:
     """An ASGI app served by uvicorn on 127.0.0.1 in a background thread (a context manager)."""
 

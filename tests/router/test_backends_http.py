@@ -14,7 +14,7 @@ import openai
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_testkit import FakeWorker, LiveServer, free_port, tiny_dir  # noqa: E402
+from app_testkit import FakeWorker, LiveServer, free_port, openai_server, tiny_dir  # noqa: E402
 
 from router.app import create_app  # noqa: E402
 from router.backends import BackendDead, HttpBackend  # noqa: E402
@@ -30,10 +30,7 @@ def tokenizer() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def upstream(tokenizer):
-    app = create_app(
-        RouterConfig(model="tiny", event_poll_s=0.01), [FakeWorker("up0")], tokenizer=tokenizer
-    )
-    with LiveServer(app) as server:
+    with openai_server(FakeWorker("up0"), tokenizer) as server:
         yield server
 
 
@@ -68,9 +65,7 @@ def test_each_chunk_is_passed_on_as_it_arrives(tokenizer):
     """The server sends a token every 0.3 s: each reaches the router's caller when it comes,
     not when the next one does (holding a chunk back added a decode step to every TTFT); only
     the finishing chunk waits, for the usage that follows it."""
-    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01),
-                     [FakeWorker("slow", delay_s=0.3)], tokenizer=tokenizer)
-    with LiveServer(app) as server:
+    with openai_server(FakeWorker("slow", delay_s=0.3), tokenizer) as server:
         backend = HttpBackend("h", server.url)
 
         async def run():

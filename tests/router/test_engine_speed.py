@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
+from app_testkit import FakeWorker, openai_server, tiny_dir  # noqa: E402
 
-from router.app import create_app  # noqa: E402
 from router.backends import HttpBackend  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
 from router.core import RoutingCore  # noqa: E402
 from router.engine_speed import EngineSpeed, EngineSpeedConfig  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
@@ -133,9 +131,7 @@ def test_http_backend_reports_the_speeds_it_timed():
     backend reports in `stats()` is that pace, and it reports no prefill speed until prompts of
     different lengths were timed."""
     tokenizer = Tokenizer(tiny_dir())
-    app = create_app(RouterConfig(model="tiny", event_poll_s=0.01),
-                     [FakeWorker("up", delay_s=0.02)], tokenizer=tokenizer)
-    with LiveServer(app) as server:
+    with openai_server(FakeWorker("up", delay_s=0.02), tokenizer) as server:
         backend = HttpBackend("h", server.url)
 
         async def run():
