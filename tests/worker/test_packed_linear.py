@@ -46,6 +46,7 @@ def test_only_the_live_weight_itself_finds_its_packed_copy():
     alias = layer.weight.detach()
     assert packed_of(alias) is layer.packed  # the same weight, another view of it
     del layer  # the weight is gone: its address may be another tensor's from now on
+    assert alias.data_ptr() not in packed._REGISTRY  # nor is its packed copy kept
     assert packed_of(alias) is None
     x = torch.randn(3, 64).to(torch.bfloat16)
     assert torch.equal(linear(x, alias, None), F.linear(x, alias))

@@ -50,9 +50,22 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and can_pack(module.weight):
             weight = module.weight.detach()
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-            _REGISTRY[weight.data_ptr()] = (weakref.ref(module.weight), module.packed)
+            ptr = weight.data_ptr()
+            _REGISTRY[ptr] = (weakref.ref(module.weight, _forget(ptr)), module.packed)
             count += 1
     return count
+
+
+def _forget(ptr: int):
+    """A weakref callback that drops the entry at `ptr` (with its packed copy) when its dense
+    weight goes, unless another weight has taken the address since."""
+
+    def callback(ref: weakref.ref) -> None:
+        entry = _REGISTRY.get(ptr)
+        if entry is not None and entry[0] is ref:
+            del _REGISTRY[ptr]
+
+    return callback
 
 
 def packed_of(weight: torch.Tensor) -> torch.Tensor | None:
