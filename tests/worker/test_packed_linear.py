@@ -13,7 +13,7 @@ from torch import nn
 import worker.models.packed as packed
 from worker.engine import Engine, EngineConfig
 from worker.models.packed import can_pack, linear, pack_linears, packed_of
-from worker.offline import run_to_completion
+from worker.offline import Completion, run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -73,18 +73,22 @@ def test_engine_greedy_output_is_the_same_with_packed_weights():
     assert outs[0] == outs[1]
 
 
-def engine_greedy(prompts: list[list[int]], **config) -> tuple[Engine, list[list[int]]]:
+def engine_greedy(prompts: list[list[int]], **config) -> tuple[Engine, list[Completion]]:
     engine = Engine(EngineConfig(model="tiny", dtype="bfloat16", kv_tokens=1024, **config))
-    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
     reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
     out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
-    return engine, [out[r.request_id].token_ids for r in reqs]
+    return engine, [out[r.request_id] for r in reqs]
+
+
+TIE = 0.1  # logprob: a few bf16 roundings apart (bf16 steps of a logit near 4 are 0.03)
 
 
 def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
     """Under torch.compile the linears are the `radixray::packed_linear` op on the dense
     weights, finding the packed ones as they run; the rest of the layer is fused around them,
-    rounding where the eager code rounds."""
+    rounding where the eager code rounds. Its sums may run in another order (the CPU's vector
+    width decides): every token is eager's, up to a near-tie, after which the texts part."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17)]
     _, eager = engine_greedy(prompts)
@@ -94,7 +98,13 @@ def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
     engine, compiled = engine_greedy(prompts, compile=True)
     assert all(k.active for k in engine.model.kernels)  # compiled for real, no fallback
     assert found and all(p is not None and p.is_mkldnn for p in found)
-    assert compiled == eager
+    for e, c in zip(eager, compiled, strict=True):
+        for i, (te, tc) in enumerate(zip(e.token_ids, c.token_ids, strict=True)):
+            best = dict(e.top_logprobs[i])
+            if te != tc:  # a near-tie in eager's own distribution
+                assert tc in best and best[te] - best[tc] <= TIE, (i, e.top_logprobs[i], tc)
+                break
+            assert abs(e.logprobs[i] - c.logprobs[i]) <= TIE
 
 
 def test_a_failed_compile_falls_back_to_eager_packed_linears(monkeypatch, caplog):
@@ -106,7 +116,7 @@ def test_a_failed_compile_falls_back_to_eager_packed_linears(monkeypatch, caplog
     _, eager = engine_greedy(prompts)
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
     engine, out = engine_greedy(prompts, compile=True)
-    assert out == eager
+    assert [c.token_ids for c in out] == [c.token_ids for c in eager]  # eager: the same bits
     assert not any(k.active for k in engine.model.kernels)
     assert any(hasattr(m, "packed") for m in engine.model.modules())
     assert "running it eagerly" in caplog.text
