@@ -23,8 +23,8 @@ from worker.models.llama import EAGER, CausalLM, LayerKernels
 
 logger = logging.getLogger(__name__)
 # A bf16 cast inside a fused kernel is kept (inductor would otherwise skip it and stay in
-# float32): the compiled layers round where the eager ones do; only the order of a norm's sum
-# may differ.
+# float32): the compiled layers round where the eager ones do, though their sums may run in
+# another order.
 OPTIONS = {"emulate_precision_casts": True}
 
 
