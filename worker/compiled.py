@@ -3,9 +3,12 @@
 `compile_model(model)` swaps `model.kernels` (see `worker.models.llama.DecoderLayer`) for
 compiled `pre_attention` / `post_attention`. They are pure functions of tensors shared by every
 layer, so each compiles once (dynamic shapes: one graph for every batch size); the attention
-backend between them stays eager. Compilation happens at the first call. When it fails (no C++
-compiler, an unsupported op, a backend error) the call is rerun eagerly, a warning is logged
-and the eager function is used from then on: a pure function can be rerun safely.
+backend between them stays eager. Packed CPU linears stay opaque ops in the graph
+(`radixray::packed_linear`, see `worker.models.packed`): inductor fuses the norms, RoPE, SwiGLU
+and residual adds between them, keeping the eager code's bf16 roundings (`OPTIONS`).
+Compilation happens at the first call. When it fails (no C++ compiler, an unsupported op, a
+backend error) the call is rerun eagerly, a warning is logged and the eager function is used
+from then on: a pure function can be rerun safely.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import torch
 from worker.models.llama import EAGER, CausalLM, LayerKernels
 
 logger = logging.getLogger(__name__)
+# A bf16 cast inside a fused kernel is kept (inductor would otherwise skip it and stay in
+# float32): the compiled layers round where the eager ones do, though their sums may run in
+# another order.
+OPTIONS = {"emulate_precision_casts": True}
 
 
 class WithFallback:
@@ -47,7 +54,7 @@ def compile_model(model: CausalLM) -> LayerKernels:
     """Give `model` compiled layer functions (with the fallback); returns them."""
     kernels = LayerKernels(
         *(
-            WithFallback(torch.compile(fn, dynamic=True), fn, fn.__name__)
+            WithFallback(torch.compile(fn, dynamic=True, options=OPTIONS), fn, fn.__name__)
             for fn in (EAGER.pre, EAGER.post)
         )
     )

@@ -8,7 +8,11 @@ queries attend to them, for every KV head. Each query keeps an online-softmax st
 max, sum, float32 accumulator) across the segments it takes part in, so a group's shared prefix
 (one segment, all its members' queries) and each member's own keys (one segment each) need no
 separate merge, mask or padding. Scores, softmax and the weighted sum are float32; the output is
-rounded to bfloat16 once.
+rounded to bfloat16 once. Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs
+(`vdpbf16ps`: products exact, sums in float32, as the weights are already rounded to bf16): K
+and V are read from the pool into tiles of pair words, no float32 copy, and two queries share
+each V load; the next tile's rows are prefetched while one computes. Elsewhere the same
+algorithm runs on float32 vectors.
 
 The source is compiled with the system C compiler (`cc -O3 -march=native`, about a second) into
 `kernels/` of the model cache (`$RADIXRAY_CACHE`, default ~/.cache/radixray/models), keyed by
@@ -47,6 +51,14 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#ifdef __AVX512BF16__
+#define VPACK 2  /* keys per word of the values tile (bf16 pairs) */
+#else
+#define VPACK 1
+#endif
 
 #define KB 32    /* keys per score tile: two vectors of 16 */
 #define KVS 512  /* keys per softmax block (torch's flash kernel uses the same) */
@@ -93,18 +105,112 @@ static inline float exp_f32(float x) {  /* Cephes expf: ~1 ulp, vectorizable */
     return y * s;
 }
 
-/* Scores of the nq queries qf [nqp, D] (scaled) against nb <= KB keys at slots sl, head h,
-   into sc[i * KVS + j]; the keys' values, as float32, into vf [KB, D]. */
-static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t *kpool,
-                       const uint16_t *vpool, const int64_t *sl, int64_t nb, int64_t KVH,
-                       int64_t h, int64_t D, float *kt, const v16 *ktv, float *vf, float *sc) {
+/* The largest of p[0..n) (n >= 1). */
+static inline float block_max(const float *p, int64_t n) {
+    int64_t j = 0;
+    float m = p[0];
+#ifdef __AVX512F__
+    if (n >= 16) {
+        __m512 v = _mm512_loadu_ps(p);
+        for (j = 16; j + 16 <= n; j += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(p + j));
+        m = _mm512_reduce_max_ps(v);
+    }
+#endif
+    for (; j < n; j++) m = p[j] > m ? p[j] : m;
+    return m;
+}
+
+/* Ask for the K and V rows of head h of up to KB keys at slots sl. */
+static inline void prefetch_rows(const uint16_t *kpool, const uint16_t *vpool,
+                                 const int64_t *sl, int64_t n, int64_t KVH, int64_t h,
+                                 int64_t D) {
+    n = n < KB ? n : KB;
+    for (int64_t j = 0; j < n; j++) {
+        int64_t off = (sl[j] * KVH + h) * D;
+        for (int64_t b = 0; b < D * 2; b += 64) {
+            __builtin_prefetch((const char *)(kpool + off) + b);
+            __builtin_prefetch((const char *)(vpool + off) + b);
+        }
+    }
+}
+
+/* Scores of the nq queries qf [nqp, D] (scaled; qh: the same queries as bfloat16 bits,
+   unscaled) against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]; the keys'
+   values, as float32, into vf [KB, D]. */
+static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t nq,
+                       int64_t nqp, const uint16_t *kpool, const uint16_t *vpool,
+                       const int64_t *sl, int64_t nb, int64_t KVH, int64_t h, int64_t D,
+                       float *kt, const v16 *ktv, float *vf, float *sc) {
     const int64_t DV = D / 16;
     const uint16_t *kr[KB];
+#ifdef __AVX512BF16__
+    /* the values as [KB / 2, D] words: dim d of two consecutive keys (for p @ V in pairs) */
+    uint32_t *vw = (uint32_t *)vf;
+    for (int64_t j = 0; j < KB; j += 2) {  /* a short tile repeats its first key (unused) */
+        int64_t off0 = (sl[j < nb ? j : 0] * KVH + h) * D;
+        int64_t off1 = (sl[j + 1 < nb ? j + 1 : 0] * KVH + h) * D;
+        kr[j] = kpool + off0;
+        kr[j + 1] = kpool + off1;
+        for (int64_t d = 0; d < D; d++)
+            vw[j / 2 * D + d] = (uint32_t)vpool[off0 + d] | (uint32_t)vpool[off1 + d] << 16;
+    }
+#else
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
         kr[j] = kpool + off;
         for (int64_t d = 0; d < D; d++) vf[j * D + d] = bf16_to_f32(vpool[off + d]);
     }
+#endif
+#ifdef __AVX512BF16__
+    /* bf16 pairs (vdpbf16ps): K as [D / 2, KB] words (two dims of one key each); QB queries
+       x KB keys in 2 * QB accumulators; exact products, summed in float32 */
+    (void)qf;
+    (void)ktv;
+    (void)DV;
+    uint32_t *kw = (uint32_t *)kt;
+    for (int64_t d2 = 0; d2 < D / 2; d2++)
+        for (int64_t j = 0; j < KB; j++) memcpy(kw + d2 * KB + j, kr[j] + 2 * d2, 4);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < nqp; i += QB) {
+        __m512 s0a = _mm512_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a;
+        __m512 s2a = s0a, s2b = s0a, s3a = s0a, s3b = s0a;
+        const uint16_t *q0 = qh + i * D;
+        for (int64_t d2 = 0; d2 < D / 2; d2++) {
+            __m512bh ka = (__m512bh)_mm512_loadu_si512(kw + d2 * KB);
+            __m512bh kb = (__m512bh)_mm512_loadu_si512(kw + d2 * KB + 16);
+            uint32_t w0, w1, w2, w3;
+            memcpy(&w0, q0 + 2 * d2, 4);
+            memcpy(&w1, q0 + D + 2 * d2, 4);
+            memcpy(&w2, q0 + 2 * D + 2 * d2, 4);
+            memcpy(&w3, q0 + 3 * D + 2 * d2, 4);
+            __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)w0);
+            __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)w1);
+            __m512bh b2 = (__m512bh)_mm512_set1_epi32((int)w2);
+            __m512bh b3 = (__m512bh)_mm512_set1_epi32((int)w3);
+            s0a = _mm512_dpbf16_ps(s0a, b0, ka);
+            s0b = _mm512_dpbf16_ps(s0b, b0, kb);
+            s1a = _mm512_dpbf16_ps(s1a, b1, ka);
+            s1b = _mm512_dpbf16_ps(s1b, b1, kb);
+            s2a = _mm512_dpbf16_ps(s2a, b2, ka);
+            s2b = _mm512_dpbf16_ps(s2b, b2, kb);
+            s3a = _mm512_dpbf16_ps(s3a, b3, ka);
+            s3b = _mm512_dpbf16_ps(s3b, b3, kb);
+        }
+        float *o = sc + i * KVS;
+        _mm512_storeu_ps(o, _mm512_mul_ps(s0a, vscale));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(s0b, vscale));
+        _mm512_storeu_ps(o + KVS, _mm512_mul_ps(s1a, vscale));
+        _mm512_storeu_ps(o + KVS + 16, _mm512_mul_ps(s1b, vscale));
+        _mm512_storeu_ps(o + 2 * KVS, _mm512_mul_ps(s2a, vscale));
+        _mm512_storeu_ps(o + 2 * KVS + 16, _mm512_mul_ps(s2b, vscale));
+        _mm512_storeu_ps(o + 3 * KVS, _mm512_mul_ps(s3a, vscale));
+        _mm512_storeu_ps(o + 3 * KVS + 16, _mm512_mul_ps(s3b, vscale));
+    }
+    return;
+#else
+    (void)qh;
+    (void)scale;
+#endif
     if (nq <= QB) {  /* few queries: a dot product per key row, no transposed copy */
         for (int64_t j = 0; j < nb; j++) {
             float *krow = kt + j % 2 * D;
@@ -150,6 +256,7 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t 
     }
 }
 
+#ifndef __AVX512BF16__
 /* acc [DV vectors] = acc * corr + sum_j p[j] * vf[j], four independent chains. */
 static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, v16u *acc,
                          float corr) {
@@ -181,6 +288,70 @@ static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, 
    seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
    state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
    max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
+#endif
+
+#ifdef __AVX512BF16__
+/* acc_r = acc_r * corr_r + sum_j p_r[j] * v[j] for two queries (acc1 NULL: one), the weights
+   and values as bf16 pairs (pw: [np] words, vw: [np, D] words), products exact, sums float32. */
+static void weigh_pairs(const uint32_t *pw0, const uint32_t *pw1, int64_t np,
+                        const uint32_t *vw, int64_t D, float *acc0, float corr0, float *acc1,
+                        float corr1) {
+    const __m512 c0 = _mm512_set1_ps(corr0), c1 = _mm512_set1_ps(corr1);
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) {
+        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d), c0);
+        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 16), c0);
+        __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 32), c0);
+        __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 48), c0);
+        __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
+        if (acc1) {
+            y0 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d), c1);
+            y1 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 16), c1);
+            y2 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 32), c1);
+            y3 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 48), c1);
+        }
+        for (int64_t jp = 0; jp < np; jp++) {
+            const uint32_t *v = vw + jp * D + d;
+            __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
+            __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 16);
+            __m512bh v2 = (__m512bh)_mm512_loadu_si512(v + 32);
+            __m512bh v3 = (__m512bh)_mm512_loadu_si512(v + 48);
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pw0[jp]);
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)pw1[jp]);
+            x0 = _mm512_dpbf16_ps(x0, a, v0);
+            x1 = _mm512_dpbf16_ps(x1, a, v1);
+            x2 = _mm512_dpbf16_ps(x2, a, v2);
+            x3 = _mm512_dpbf16_ps(x3, a, v3);
+            y0 = _mm512_dpbf16_ps(y0, b, v0);
+            y1 = _mm512_dpbf16_ps(y1, b, v1);
+            y2 = _mm512_dpbf16_ps(y2, b, v2);
+            y3 = _mm512_dpbf16_ps(y3, b, v3);
+        }
+        _mm512_storeu_ps(acc0 + d, x0);
+        _mm512_storeu_ps(acc0 + d + 16, x1);
+        _mm512_storeu_ps(acc0 + d + 32, x2);
+        _mm512_storeu_ps(acc0 + d + 48, x3);
+        if (acc1) {
+            _mm512_storeu_ps(acc1 + d, y0);
+            _mm512_storeu_ps(acc1 + d + 16, y1);
+            _mm512_storeu_ps(acc1 + d + 32, y2);
+            _mm512_storeu_ps(acc1 + d + 48, y3);
+        }
+    }
+    for (; d < D; d += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d), c0);
+        __m512 y = acc1 ? _mm512_mul_ps(_mm512_loadu_ps(acc1 + d), c1) : _mm512_setzero_ps();
+        for (int64_t jp = 0; jp < np; jp++) {
+            __m512bh v = (__m512bh)_mm512_loadu_si512(vw + jp * D + d);
+            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_set1_epi32((int)pw0[jp]), v);
+            y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_set1_epi32((int)pw1[jp]), v);
+        }
+        _mm512_storeu_ps(acc0 + d, x);
+        if (acc1) _mm512_storeu_ps(acc1 + d, y);
+    }
+}
+#endif
+
 int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
@@ -193,9 +364,13 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     size_t floats = max_nq * D + KB * D + KVS * D + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);
-    if (!buf || !rows) {
+    uint16_t *qh = malloc(sizeof(uint16_t) * max_nq * D);
+    float *corrs = malloc(sizeof(float) * max_nq);
+    if (!buf || !rows || !qh || !corrs) {
         free(buf);
         free(rows);
+        free(qh);
+        free(corrs);
         return 1;
     }
     float *qf = buf, *kt = qf + max_nq * D, *vf = kt + KB * D, *sc = vf + KVS * D;
@@ -214,21 +389,25 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
             for (int64_t i = 0; i < nqp; i++) {  /* the segment's queries of head group h */
                 int64_t row = i < nq ? mem[i / G] * H + h * G + i % G : -1;
                 rows[i] = row;
-                for (int64_t d = 0; d < D; d++)
+                for (int64_t d = 0; d < D; d++) {
+                    qh[i * D + d] = row < 0 ? 0 : q[row * D + d];
                     qf[i * D + d] = row < 0 ? 0.0f : bf16_to_f32(q[row * D + d]) * scale;
+                }
             }
             for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
                 int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB) {
                     int64_t nb = nbk - t0 < KB ? nbk - t0 : KB;
-                    score_tile(qf, nq, nqp, kpool, vpool, sl + b0 + t0, nb, KVH, h, D, kt, ktv,
-                               vf + t0 * D, sc + t0);
+                    if (b0 + t0 + KB < nkeys)  /* the next tile's rows, while this one runs */
+                        prefetch_rows(kpool, vpool, sl + b0 + t0 + KB, nkeys - b0 - t0 - KB, KVH,
+                                      h, D);
+                    score_tile(qf, qh, scale, nq, nqp, kpool, vpool, sl + b0 + t0, nb, KVH,
+                               h, D, kt, ktv, vf + t0 * D / VPACK, sc + t0);
                 }
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
                     float *p = sc + i * KVS;
                     int64_t row = rows[i];
-                    float mb = p[0];
-                    for (int64_t j = 1; j < nbk; j++) mb = p[j] > mb ? p[j] : mb;
+                    float mb = block_max(p, nbk);
                     float m_new = mx[row] > mb ? mx[row] : mb;
                     float corr = exp_f32(mx[row] - m_new), psum = 0.0f;
                     for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
@@ -238,8 +417,32 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
+#ifdef __AVX512BF16__
+                    corrs[i] = corr;
+                    uint32_t *pw = (uint32_t *)p;  /* the weights as pairs, in place */
+                    if (nbk % 2) p[nbk] = 0.0f;  /* nbk < KVS: the row has room */
+                    for (int64_t j = 0; j < nbk; j += 2) {
+                        uint32_t lo, hi;
+                        memcpy(&lo, p + j, 4);
+                        memcpy(&hi, p + j + 1, 4);
+                        pw[j / 2] = lo >> 16 | (hi & 0xFFFF0000u);
+                    }
+                }
+                const uint32_t *vw = (const uint32_t *)vf;
+                const int64_t np = (nbk + 1) / 2;
+                for (int64_t i = 0; i < nq; i += 2) {  /* two queries share each V load */
+                    int64_t i1 = i + 1 < nq ? i + 1 : i;
+                    weigh_pairs((const uint32_t *)(sc + i * KVS), (const uint32_t *)(sc + i1 * KVS),
+                                np, vw, D, acc + rows[i] * D, corrs[i],
+                                i1 != i ? acc + rows[i1] * D : NULL, corrs[i1]);
+                }
+                (void)vfv;
+                (void)DV;
+#else
+                    (void)corrs;
                     weigh_values(p, nbk, vfv, DV, (v16u *)(acc + row * D), corr);
                 }
+#endif
             }
         }
     }
@@ -249,6 +452,8 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     }
     free(buf);
     free(rows);
+    free(qh);
+    free(corrs);
     return 0;
 }
 """

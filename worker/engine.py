@@ -49,10 +49,11 @@ class EngineConfig:
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
     # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
-    # default: compiling takes a minute or more on a small CPU and gains little in float32
+    # default: the first pass compiles for tens of seconds on a small CPU, and a decode step
+    # gains little (float32) or 0-10% (bfloat16 with packed linears; docs/engine.md)
     compile: bool = False
     # CPU bfloat16/float16: linears through oneDNN with weights packed once at load (the same
-    # bits, faster at decode sizes; see worker.models.packed). Not with `compile`
+    # bits, faster at decode sizes; see worker.models.packed), eager and compiled
     pack_weights: bool = True
 
     def validate(self) -> None:
@@ -78,10 +79,10 @@ class Engine:
         dtype = resolve_dtype(config.model, config.dtype, self.device)
         self.runner = ModelRunner(config.model, self.device, dtype, config.attention)
         self.model = self.runner.model
+        if config.pack_weights:
+            pack_linears(self.model)
         if config.compile:
             compile_model(self.model)
-        elif config.pack_weights:
-            pack_linears(self.model)
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)

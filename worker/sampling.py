@@ -44,10 +44,16 @@ def sample(
 ) -> SampleResult:
     """logits float32 [S, vocab], one row per request in `requests` -> one token each."""
     raw = logits.float()
-    logits = raw.clone()
+    logits = raw  # copied before the first change: `raw` stays the model's distribution
     for i, req in enumerate(requests):
+        sp = req.sampling
+        ban = req.num_output < sp.min_tokens
+        if not (ban or sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1):
+            continue
+        if logits is raw:
+            logits = raw.clone()
         _apply_penalties(logits[i], req)
-        if req.num_output < req.sampling.min_tokens:
+        if ban:
             banned = [t for t in stop_ids(req, eos_token_ids) if 0 <= t < logits.shape[1]]
             logits[i, banned] = float("-inf")
     tokens = _pick(logits, requests, generator)

@@ -171,14 +171,16 @@ def test_a_failed_build_leaves_the_kernel_off(monkeypatch, tmp_path):
     assert decode_kernel.load.__wrapped__() is None
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(kernel, monkeypatch, page_size):
+@pytest.mark.parametrize(("page_size", "compile"), [(1, False), (16, False), (16, True)])
+def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(
+    kernel, monkeypatch, page_size, compile
+):
     """Four chat requests behind one long system prompt decode through the kernel (computing
-    the prompt, then over its cached KV). Every token the engine picks is HF bfloat16's
-    greedy choice given the same text, up to bf16 noise: its HF logit is within `TIE` of the
-    best one (EOS aside: `min_tokens` bans it). Token-by-token identity is not asked for: in
-    bf16 a near-tie flips with any change of rounding (see test_engine_bf16), the pure-torch
-    path's included."""
+    the prompt, then over its cached KV), with eager or compiled layers. Every token the
+    engine picks is HF bfloat16's greedy choice given the same text, up to bf16 noise: its HF
+    logit is within `TIE` of the best one (EOS aside: `min_tokens` bans it). Token-by-token
+    identity is not asked for: in bf16 a near-tie flips with any change of rounding (see
+    test_engine_bf16), the pure-torch path's and the compiled layers' included."""
     from worker.engine import Engine, EngineConfig
     from worker.offline import run_to_completion
     from worker.protocol import GenerateRequest, SamplingParams
@@ -213,8 +215,11 @@ def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(kernel, monke
             chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
             prompts.append(tok.encode(chat, add_special_tokens=False))
         engine = Engine(
-            EngineConfig(model=str(path), dtype="bfloat16", kv_tokens=8192, page_size=page_size)
-        )
+            EngineConfig(
+                model=str(path), dtype="bfloat16", kv_tokens=8192, page_size=page_size,
+                compile=compile,
+            )
+        )  # fmt: skip
         sp = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0)
         for rnd in range(2):  # the system prompt computed in this round, then cached
             reqs = [GenerateRequest(f"r{rnd}-{i}", p, sp) for i, p in enumerate(prompts)]
@@ -230,5 +235,6 @@ def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(kernel, monke
                 assert float(gap.max()) <= tie, (tok.decode(got), gap.tolist())
         assert "Paris" in tok.decode(out[reqs[0].request_id].token_ids)
         assert any(served)  # the decode steps over the shared prompt took the kernel
+        assert all(getattr(k, "active", True) for k in engine.model.kernels)  # no fallback
     finally:
         torch.set_num_threads(before)

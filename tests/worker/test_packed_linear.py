@@ -1,5 +1,5 @@
 """Linears with oneDNN-packed weights give F.linear's bits (without a bias), and the engine's
-greedy output does not change with them."""
+greedy output does not change with them, eager or compiled."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import worker.models.packed as packed
 from worker.engine import Engine, EngineConfig
-from worker.models.packed import can_pack, linear, pack_linears
-from worker.offline import run_to_completion
+from worker.models.packed import can_pack, linear, pack_linears, packed_of
+from worker.offline import Completion, run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -28,12 +29,27 @@ def test_packed_linear_gives_f_linear_bits(rows, bias):
     with torch.no_grad():
         layer.weight.copy_(torch.randn(200, 96, generator=gen))
     assert pack_linears(layer) == 1 and layer.packed.is_mkldnn
+    assert packed_of(layer.weight) is layer.packed
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    out, ref = linear(x, layer.packed, layer.bias), F.linear(x, layer.weight, layer.bias)
+    out, ref = linear(x, layer.weight, layer.bias), F.linear(x, layer.weight, layer.bias)
+    assert torch.equal(torch.ops.radixray.packed_linear(x, layer.weight, layer.bias), out)
     if bias:  # the bias may be added in another order: a rounding step apart at most
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(out, ref)
+
+
+def test_only_the_live_weight_itself_finds_its_packed_copy():
+    layer = nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
+    pack_linears(layer)
+    assert packed_of(layer.weight[:16]) is None  # same address, another tensor
+    alias = layer.weight.detach()
+    assert packed_of(alias) is layer.packed  # the same weight, another view of it
+    del layer  # the weight is gone: its address may be another tensor's from now on
+    assert alias.data_ptr() not in packed._REGISTRY  # nor is its packed copy kept
+    assert packed_of(alias) is None
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(linear(x, alias, None), F.linear(x, alias))
 
 
 def test_float32_weights_stay_unpacked():
@@ -55,3 +71,52 @@ def test_engine_greedy_output_is_the_same_with_packed_weights():
         out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
         outs.append([out[r.request_id].token_ids for r in reqs])
     assert outs[0] == outs[1]
+
+
+def engine_greedy(prompts: list[list[int]], **config) -> tuple[Engine, list[Completion]]:
+    engine = Engine(EngineConfig(model="tiny", dtype="bfloat16", kv_tokens=1024, **config))
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
+    reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
+    out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
+    return engine, [out[r.request_id] for r in reqs]
+
+
+TIE = 0.1  # logprob: a few bf16 roundings apart (bf16 steps of a logit near 4 are 0.03)
+
+
+def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
+    """Under torch.compile the linears are the `radixray::packed_linear` op on the dense
+    weights, finding the packed ones as they run; the rest of the layer is fused around them,
+    rounding where the eager code rounds. Its sums may run in another order (the CPU's vector
+    width decides): every token is eager's, up to a near-tie, after which the texts part."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17)]
+    _, eager = engine_greedy(prompts)
+    found = []
+    lookup = packed.packed_of
+    monkeypatch.setattr(packed, "packed_of", lambda w: found.append(lookup(w)) or found[-1])
+    engine, compiled = engine_greedy(prompts, compile=True)
+    assert all(k.active for k in engine.model.kernels)  # compiled for real, no fallback
+    assert found and all(p is not None and p.is_mkldnn for p in found)
+    for e, c in zip(eager, compiled, strict=True):
+        for i, (te, tc) in enumerate(zip(e.token_ids, c.token_ids, strict=True)):
+            best = dict(e.top_logprobs[i])
+            if te != tc:  # a near-tie in eager's own distribution
+                assert tc in best and best[te] - best[tc] <= TIE, (i, e.top_logprobs[i], tc)
+                break
+            assert abs(e.logprobs[i] - c.logprobs[i]) <= TIE
+
+
+def test_a_failed_compile_falls_back_to_eager_packed_linears(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (9, 30)]
+    _, eager = engine_greedy(prompts)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: broken)
+    engine, out = engine_greedy(prompts, compile=True)
+    assert [c.token_ids for c in out] == [c.token_ids for c in eager]  # eager: the same bits
+    assert not any(k.active for k in engine.model.kernels)
+    assert any(hasattr(m, "packed") for m in engine.model.modules())
+    assert "running it eagerly" in caplog.text

@@ -19,7 +19,7 @@ from mem_cache.kv_pool import KVPool
 from worker.attention import AttentionBackend, AttentionBatch
 from worker.attention_backends import make_attention
 from worker.models.config import ModelConfig
-from worker.models.packed import linear, weight_of
+from worker.models.packed import linear
 from worker.models.rope import RotaryEmbedding
 
 
@@ -92,14 +92,14 @@ class DecoderLayer(nn.Module):
         q_norm = a.q_norm.weight if a.q_norm is not None else None
         k_norm = a.k_norm.weight if a.k_norm is not None else None
         q, k, v = kernels.pre(
-            x, self.input_layernorm.weight, weight_of(a.qkv_proj), a.qkv_proj.bias, q_norm, k_norm,
+            x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, q_norm, k_norm,
             *rope, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
         )  # fmt: skip
         out = a.backend.forward(q, k, v, a.layer, batch, kv_pool)
         return kernels.post(
-            x, out.reshape(x.shape[0], -1), weight_of(a.o_proj), a.o_proj.bias,
-            self.post_attention_layernorm.weight, weight_of(m.gate_up_proj), m.gate_up_proj.bias,
-            weight_of(m.down_proj), m.down_proj.bias, c.rms_norm_eps,
+            x, out.reshape(x.shape[0], -1), a.o_proj.weight, a.o_proj.bias,
+            self.post_attention_layernorm.weight, m.gate_up_proj.weight, m.gate_up_proj.bias,
+            m.down_proj.weight, m.down_proj.bias, c.rms_norm_eps,
         )  # fmt: skip
 
 
@@ -206,7 +206,7 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         x = self.norm(x)
-        return linear(x, weight_of(self.lm_head), self.lm_head.bias).to(torch.float32)
+        return linear(x, self.lm_head.weight, self.lm_head.bias).to(torch.float32)
 
     def _rope(self, device: torch.device) -> RotaryEmbedding:
         # Built lazily, outside any meta-device context, on the device the inputs live on.
