@@ -155,6 +155,11 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
     summary = summarize(outcomes, wall)
     after = [finished_requests(e.url) for e in engines]
     summary["requests_per_engine"] = [a - b for a, b in zip(after, before, strict=True)]
+    # each request in the order sent, to find a tail request in radixray's decision log
+    summary["per_request"] = [
+        {"start_s": round(o.start_s, 3), "ttft_s": round(o.ttft_s, 3), "id": o.request_id,
+         "prompt": o.prompt_tokens, "cached": o.cached_tokens, "worker": o.worker}
+        for o in sorted(outcomes, key=lambda o: o.start_s)]
     return summary
 
 

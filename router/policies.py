@@ -70,7 +70,8 @@ class Policy(ABC):
     def _argmin(
         self, workers: Sequence[WorkerView], key: Callable[[WorkerView], float]
     ) -> WorkerView:
-        """The worker with the least key; ties go to fewer requests, then rotate fairly."""
+        """The worker with the least key; ties go to fewer requests, then to the worker fewer
+        arrivals want lately (`affinity_rate`), then rotate fairly."""
         return self._pick(workers, [key(w) for w in workers])
 
     def _pick(self, workers: Sequence[WorkerView], keys: list[float]) -> WorkerView:
@@ -85,7 +86,12 @@ class Policy(ABC):
         if len(ties) == 1:
             return ties[0]
         n, turn = len(workers), self._turn - 1
-        return min(ties, key=lambda i: (workers[i].requests, (i - turn) % n))
+        # A new prefix draws its followers to where it is computed: between equals, the worker
+        # whose cached prefixes draw fewer arrivals takes it, so that the prefixes (and the
+        # load that follows them) spread instead of piling up on whoever wins the rotation.
+        return min(
+            ties, key=lambda i: (workers[i].requests, workers[i].affinity_rate, (i - turn) % n)
+        )
 
 
 def locality_reason(chosen: WorkerView, workers: Sequence[WorkerView]) -> str:

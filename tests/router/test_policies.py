@@ -204,3 +204,16 @@ def test_cost_breaks_ties_by_rotation() -> None:
     policy = make_policy("cost")
     ws = views({}, {}, {}, {})
     assert len({choose(policy, request(), ws).worker_id for _ in range(4)}) == 4
+
+
+@pytest.mark.parametrize("name", ["cost", "least_load", "cache_aware"])
+def test_ties_go_to_the_worker_fewer_arrivals_want(name: str) -> None:
+    # Two idle workers, nothing cached for this prompt: the new prefix goes where the cached
+    # prefixes draw fewer arrivals, whatever the rotation (its followers will come there too).
+    policy = make_policy(name)
+    for _ in range(4):
+        ws = views({"affinity_rate": 0.4}, {"affinity_rate": 0.1})
+        assert choose(policy, request(), ws).worker_id == "w1"
+    # fewer requests still come first
+    ws = views({"affinity_rate": 0.0, "requests": 1}, {"affinity_rate": 0.4})
+    assert choose(policy, request(), ws).worker_id == "w1"

@@ -1,10 +1,13 @@
-"""`radixray serve --engine vllm`: the real command, its fleet of two vLLM workers on a local
-Ray, answering through the `openai` client; then one worker's vLLM killed with SIGKILL (the
-stream on it fails over, the worker restarts empty), the other drained live, and the cluster
-stopped: no vLLM process is left at any step.
+"""`radixray serve --engine vllm --routers 2`: the real command, its fleet of two vLLM workers
+on a local Ray behind two router replicas, answering through the `openai` client; each replica
+follows the engines' own KV events (a prompt one replica routed is a hit through the other);
+then one worker's vLLM killed with SIGKILL (the stream on it fails over, the worker restarts
+empty), the other drained live, a new vLLM worker added live (both replicas route to it and
+follow its events), and the cluster stopped: no vLLM process is left at any step.
 
 One cluster for the module (two vLLM start-ups cost a minute or more on a small machine). The
-tests run in order: the last one kills a vLLM server and stops the cluster.
+tests run in order. Each test talks to one replica at a time through the replica's own port
+(the shared port spreads new connections over both), so that its metrics are one router's.
 """
 
 from __future__ import annotations
@@ -42,16 +45,17 @@ def prompt(seed: int, length: int) -> list[int]:
     return [WORDS[(seed * 7 + i * (seed % 5 + 1)) % len(WORDS)] for i in range(length)]
 
 
-def marked(mark: str) -> list[psutil.Process]:
-    """The live processes whose environment carries `MARK=mark` and a worker id: the vLLM
-    servers, their reapers and engine processes."""
+def marked(mark: str, worker_id: str | None = None) -> list[psutil.Process]:
+    """The live processes whose environment carries `MARK=mark` and a worker id (`worker_id`,
+    when given): the vLLM servers, their reapers and engine processes."""
     found = []
     for proc in psutil.process_iter():
         try:
             env = proc.environ()
-        except (psutil.Error, OSError):
+        except (psutil.Error, OSError):  # gone, or a zombie, meanwhile
             continue
-        if env.get(MARK) == mark and "RADIXRAY_WORKER_ID" in env:
+        owner = env.get("RADIXRAY_WORKER_ID")
+        if env.get(MARK) == mark and owner is not None and worker_id in (None, owner):
             found.append(proc)
     return found
 
@@ -74,6 +78,31 @@ def counter(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def replica_ports(shared_port: int) -> dict[int, int]:
+    """Router replica pid -> the replica's own port, found from the replicas' listening sockets
+    (each answers /health with its pid in `X-Radixray-Router`)."""
+    pids: set[int] = set()
+    for _ in range(100):  # new connections to the shared port reach every replica
+        with requests.Session() as session:
+            pids.add(int(session.get(f"http://127.0.0.1:{shared_port}/health",
+                                     timeout=10).headers["x-radixray-router"]))
+        if len(pids) == 2:
+            break
+    ports = {}
+    for pid in pids:
+        for conn in psutil.Process(pid).net_connections(kind="tcp"):
+            port = conn.laddr.port
+            if conn.status != psutil.CONN_LISTEN or port == shared_port:
+                continue
+            try:
+                answer = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            except requests.RequestException:
+                continue  # one of Ray's own ports
+            if answer.headers.get("x-radixray-router") == str(pid):
+                ports[pid] = port
+    return ports
 
 
 def workers(url: str) -> dict[str, dict]:
@@ -108,7 +137,7 @@ def cluster(tmp_path_factory):
                **{MARK: str(root)})
     env.pop("RADIXRAY_API_KEY", None)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--engine", "vllm", "--model",
-           str(model), "--workers", "2", "--num-cpus", "2", "--port", str(port),
+           str(model), "--workers", "2", "--routers", "2", "--num-cpus", "2", "--port", str(port),
            f"--vllm-args={VLLM_ARGS}"]
     log = root / "serve.log"
     t0 = time.monotonic()
@@ -124,7 +153,12 @@ def cluster(tmp_path_factory):
         wait_for(up, 900, "radixray serve --engine vllm to answer")
         print(f"\nradixray serve --engine vllm: 2 vLLM workers serve after "
               f"{time.monotonic() - t0:.1f}s")
-        state.client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        ports = sorted(replica_ports(port).values())
+        assert len(ports) == 2, ports
+        state.url, state.other_url = (f"http://127.0.0.1:{p}" for p in ports)
+        state.client = openai.OpenAI(base_url=state.url + "/v1", api_key="none", max_retries=0)
+        state.other_client = openai.OpenAI(base_url=state.other_url + "/v1", api_key="none",
+                                           max_retries=0)
         yield state
     finally:
         if proc.poll() is None:
@@ -171,6 +205,27 @@ def test_serve_engine_vllm_answers_through_openai(cluster):
     assert repeat.usage.prompt_tokens_details.cached_tokens == (
         (first.prompt_tokens - 1) // BLOCK * BLOCK)
     assert raw.headers["x-radixray-worker"] in rows
+
+
+def completion(client: openai.OpenAI, model: str, ids: list[int]) -> tuple[str, int]:
+    """(the worker that served it, vLLM's cached_tokens) of a 2-token completion."""
+    raw = client.completions.with_raw_response.create(
+        model=model, prompt=ids, max_tokens=2, temperature=0)
+    return raw.headers["x-radixray-worker"], raw.parse().usage.prompt_tokens_details.cached_tokens
+
+
+def test_each_replica_follows_the_engines_own_events(cluster):
+    # prompts routed through one replica only, sent together so that the load spreads them
+    probes = [prompt(seed, 2 * BLOCK + 5) for seed in range(100, 104)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        first = list(pool.map(lambda ids: completion(cluster.client, cluster.model, ids), probes))
+    holders = [w for w, _ in first]
+    assert len(set(holders)) == 2, holders  # else a replica that knew nothing could match
+    time.sleep(1.0)  # their blocks' events reach both replicas' indexes
+    # the other replica never routed them: it knows where they are from vLLM's events alone
+    again = [completion(cluster.other_client, cluster.model, ids) for ids in probes]
+    assert [w for w, _ in again] == holders
+    assert [c for _, c in again] == [2 * BLOCK] * len(probes)  # vLLM's own figure
 
 
 def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
@@ -254,12 +309,37 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
     drained = requests.post(f"{url}/v1/workers/{other}/drain", timeout=120)
     assert drained.json() == {"id": other, "state": "removed"}, drained.text
     assert sorted(workers(url)) == [killed]
-    wait_for(lambda: not [p for p in marked(mark)
-                          if p.environ().get("RADIXRAY_WORKER_ID") == other],
-             30, f"{other}'s vLLM processes to exit")
+    wait_for(lambda: not marked(mark, other), 30, f"{other}'s vLLM processes to exit")
     assert send(prompt(500, BLOCK)) == killed
 
-    # stopping the cluster stops every vLLM process
+
+def test_a_vllm_worker_added_live_serves_and_every_replica_follows_it(cluster):
+    url, model = cluster.url, cluster.model
+    [left] = workers(url)
+    t0 = time.monotonic()
+    added = requests.post(f"{url}/v1/workers", json={"count": 1}, timeout=900)
+    assert added.status_code == 200, added.text
+    print(f"\nlive add: a new vLLM worker serves {time.monotonic() - t0:.1f}s after the call")
+    [new] = set(workers(url)) - {left}
+    assert vllm_server(cluster.mark, new) is not None
+    # the other replica attaches it from the fleet's change
+    wait_for(lambda: workers(cluster.other_url).get(new, {}).get("state") == "ready", 60,
+             f"the other replica to attach {new}")
+    assert workers(url)[new]["max_context"] == 1024  # read from the new vLLM
+
+    for seed in range(600, 620):  # the idle new worker takes new prompts
+        probe = prompt(seed, 2 * BLOCK + 5)
+        served, _ = completion(cluster.client, model, probe)
+        if served == new:
+            break
+    else:
+        pytest.fail(f"nothing was routed to the added {new}")
+    time.sleep(1.0)
+    # its events reached the replica that did not route the prompt
+    assert completion(cluster.other_client, model, probe) == (new, 2 * BLOCK)
+
+
+def test_stopping_the_cluster_stops_every_vllm_process(cluster):
     cluster.proc.send_signal(signal.SIGTERM)
     assert cluster.proc.wait(120) == 0, cluster.log.read_text()[-5000:]
-    wait_for(lambda: not marked(mark), 30, "every vLLM process to exit")
+    wait_for(lambda: not marked(cluster.mark), 30, "every vLLM process to exit")
