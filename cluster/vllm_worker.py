@@ -30,10 +30,12 @@ Ray restarted it exits again, so Ray tries again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import select
+import signal
 import socket
 import subprocess
 import tempfile
@@ -147,7 +149,8 @@ class Reaped:
 
     The group lives no longer than the command, this process, or `close()`: nothing of it is
     left behind. `exited()` polls; `wait()` returns the command's exit status once the reaper
-    has killed the group ("killed" when the reaper itself was killed)."""
+    has killed the group ("killed" when the reaper itself was killed: then `wait` kills the
+    group)."""
 
     def __init__(self, python: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
         life, self._life = os.pipe()  # only this process holds the write end
@@ -170,6 +173,9 @@ class Reaped:
         status = b""
         while chunk := os.read(self._report, 64):  # EOF: the reaper is gone
             status += chunk
+        if not status:  # the reaper was killed before it could: kill its group from here
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.group, signal.SIGKILL)
         return status.decode() or "killed"
 
     def close(self) -> None:

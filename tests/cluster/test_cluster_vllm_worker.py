@@ -112,6 +112,16 @@ def test_a_killed_server_takes_its_children_along(tmp_path):
                                for p in members))
 
 
+def test_a_killed_reaper_still_takes_the_server_along(tmp_path):
+    server = started(tmp_path)
+    members = group(server.group)
+    reaper = next(p for p in members if p.cmdline()[1] == "-c" and "os.killpg" in p.cmdline()[2])
+    reaper.send_signal(signal.SIGKILL)
+    assert server.wait() == "killed"
+    wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                               for p in members))
+
+
 def test_closing_kills_the_whole_group(tmp_path):
     server = started(tmp_path)
     members = group(server.group)
