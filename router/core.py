@@ -343,8 +343,8 @@ def _describe(request: RouteRequest, decision: Decision, views: Sequence[WorkerV
     parts = [f"{request.request_id} tokens={request.num_tokens} -> {decision.worker_id} "
              f"({decision.reason})"]
     for v in views:
-        wait, prefill, step = v.estimate[0], v.estimate[1], v.estimate[2]
+        e = v.estimate
         parts.append(f"{v.worker_id}: match={v.matched_blocks} booked={v.requests} "
-                     f"queue={v.queue_s:.3f} wait={wait:.3f} prefill={prefill:.3f} "
-                     f"step={step:.3f}")
+                     f"queue={v.queue_s:.3f} wait={e.wait_s:.3f} prefill={e.prefill_s:.3f} "
+                     f"step={e.step_s:.3f}")
     return " | ".join(parts)

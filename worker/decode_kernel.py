@@ -283,11 +283,6 @@ static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, 
         acc[dv] = x;
     }
 }
-
-/* q [B, H, D], pools [S, KVH, D], out [B, H, D]: bfloat16 bits; D a multiple of 16.
-   seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
-   state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
-   max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
 #endif
 
 #ifdef __AVX512BF16__
@@ -352,6 +347,10 @@ static void weigh_pairs(const uint32_t *pw0, const uint32_t *pw1, int64_t np,
 }
 #endif
 
+/* q [B, H, D], pools [S, KVH, D], out [B, H, D]: bfloat16 bits; D a multiple of 16.
+   seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
+   state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
+   max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
 int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
