@@ -13,10 +13,12 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   attend to that prefix together, its KV gathered once per layer instead of once per member,
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
-  the KV a per-sequence gather reads. In bfloat16, where `worker.decode_kernel` builds, such a
-  batch goes through that C kernel instead: the same groups as segments of key slots read
-  from the pool in place, one online softmax per query across its segments (no gather, mask
-  or merge). A batch without a group stays on torch's flash kernel, whose rounding is HF's.
+  the KV a per-sequence gather reads.
+- In bfloat16, where `worker.decode_kernel` builds, every decode batch goes through that C
+  kernel instead: the same groups as segments of key slots read from the pool in place (and
+  each sequence's own keys as one more), one online softmax per query across its segments (no
+  gather, mask or merge). One sequence over 1k keys: 11-12 ms of a SmolLM2 step on torch's
+  path, ~3 ms in the kernel.
 - Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
 - Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
   to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
@@ -139,9 +141,9 @@ class _NativePlan:
     their log-sum-exp (cascade attention). `head_index` lists the pool rows of the per-sequence
     keys `[B, KVH, Kmax]` (padded), then each group's prefix `[KVH, L]`.
 
-    With the C kernel (`kernel`), the same groups become `segments` instead: (slots, segment
-    rows, members) as `DecodeKernel` takes them, one segment per group's prefix, then one per
-    sequence over the rest of its keys; nothing is gathered and no mask is built.
+    With the C kernel (`kernel`), the batch becomes `segments` instead: (slots, segment rows,
+    members) as `DecodeKernel` takes them, one segment per group's prefix (if any), then one
+    per sequence over the rest of its keys; nothing is gathered and no mask is built.
     """
 
     all_decode: bool  # every sequence decodes one token: the output is the decode output
@@ -192,7 +194,7 @@ class _NativePlan:
         own = [n - s for n, s in zip(kv_lens, starts, strict=True)]
         all_decode = not prefills
         decode_rows = None if all_decode else torch.tensor(rows, device=device)
-        if kernel is not None and shared:
+        if kernel is not None:
             segments = _segments(table, kv_lens, starts, prefix_slots, shared)
             return _NativePlan(
                 all_decode, decode_rows, None, None, max(own), num_kv_heads, prefills, shared,

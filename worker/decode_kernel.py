@@ -14,38 +14,19 @@ and V are read from the pool into tiles of pair words, no float32 copy, and two 
 each V load; the next tile's rows are prefetched while one computes. Elsewhere the same
 algorithm runs on float32 vectors.
 
-The source is compiled with the system C compiler (`cc -O3 -march=native`, about a second) into
-`kernels/` of the model cache (`$RADIXRAY_CACHE`, default ~/.cache/radixray/models), keyed by
-source, flags and the CPU's instruction set, and loaded with ctypes (which releases the GIL
-during the call). `load()` returns None when there is no compiler or the build fails; the
-`native` backend then keeps its pure-torch path.
+Built at first use by `worker.models.c_library` (compiled for this CPU, cached on disk, loaded
+with ctypes); `load()` returns None when it cannot be built, and the `native` backend then keeps
+its pure-torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import cache
-from pathlib import Path
 
 import torch
 
-from worker.models.builtin import cache_root
-
-logger = logging.getLogger(__name__)
-
-# Reassociation (to vectorize the sums and maxima), but not -ffast-math: with GCC < 13 a shared
-# library built with it sets flush-to-zero for the whole process when it is loaded.
-FLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-    "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
-]  # fmt: skip
+from worker.models import c_library
 
 SOURCE = r"""
 #include <stdint.h>
@@ -515,47 +496,7 @@ def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
 
 @cache
 def load() -> DecodeKernel | None:
-    """The kernel, built on first use (cached on disk by source, flags and CPU); None when it
-    cannot be built here (no C compiler, not x86-64/aarch64 Linux or macOS, a build error)."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.info("no C compiler: the CPU decode kernel is off (pure-torch attention)")
-        return None
-    key = hashlib.sha256((SOURCE + " ".join(FLAGS) + _cpu()).encode()).hexdigest()
-    directory = cache_root() / "kernels"
-    library = directory / f"decode_attention_{key[:16]}.so"
-    try:
-        if not library.exists():
-            _build(compiler, directory, library)
-        return DecodeKernel(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU decode kernel unavailable, using pure-torch attention: %s", e)
-        return None
-
-
-def _cpu() -> str:
-    """The machine and its instruction-set flags: `-march=native` builds for this CPU, and a
-    cache directory shared between nodes must not hand one CPU's build to another (an
-    instruction the other lacks would kill the process)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + " " + (flags or platform.processor())
-
-
-def _build(compiler: str, directory: Path, library: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        source = Path(tmp) / "decode_attention.c"
-        source.write_text(SOURCE)
-        built = Path(tmp) / library.name
-        subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built)],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(built, library)  # atomic: concurrent builders never load a partial file
+    """The kernel, built on first use; None when it cannot be built here (no C compiler, a
+    build error)."""
+    library = c_library.build("decode_attention", SOURCE)
+    return DecodeKernel(library) if library is not None else None

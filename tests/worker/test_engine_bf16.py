@@ -2,13 +2,14 @@
 
 `auto` serves a float32 checkpoint in bfloat16 where the device computes bf16 natively, as
 vLLM does by default. On the real SmolLM2-135M-Instruct weights (`RADIXRAY_SMOLLM2_DIR`, else
-skipped) a bf16 engine gives HF's bf16 greedy answers to chat prompts, EOS included, up to
-`PREFIX` tokens. Both run the same bf16 weights but round differently (one fused q/k/v and
-gate/up matmul here, separate ones in HF), so a near-tie between two logits can flip the argmax
-further on: with EOS banned for 64 tokens, "What is the capital of France?" and "List three
-prime numbers." first differ from HF at tokens 11 and 10, two other
-prompts not at all; in float32 the engine matches HF exactly (test_engine_hf_identity).
-"""
+skipped) every token a bf16 engine picks for chat prompts, EOS included, is HF bf16's greedy
+choice given the same text, up to bf16 noise: its HF logit is within `TIE` of the best one.
+Both run the same bf16 weights but round differently (one fused q/k/v and gate/up matmul
+here, separate ones in HF; the decode linears and attention in C kernels, see
+`worker.models.pair_gemm` and `worker.decode_kernel`), so a near-tie between two logits can
+flip the argmax and the texts then part: "List three prime numbers." ends after "3. 3" here
+and goes on in HF, whose logits put EOS one bf16 step (0.125) below a newline. In float32 the
+engine matches HF exactly (test_engine_hf_identity)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from worker.models.loader import auto_dtype, cpu_has_bf16, resolve_dtype
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-PREFIX = 16  # tokens compared with HF per answer
+NEW_TOKENS = 32  # tokens generated per answer
+TIE = 0.25  # logit: two bf16 steps of a logit between 16 and 32
 QUESTIONS = [
     "What is the capital of France?",
     "List three prime numbers.",
@@ -69,26 +71,27 @@ def chat(tok, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_smollm2_bf16_engine_matches_hf_bf16(smollm2_bf16):
+def test_smollm2_bf16_engine_picks_hfs_bf16_tokens(smollm2_bf16):
     path, hf, tok = smollm2_bf16
     prompts = [chat(tok, q) for q in QUESTIONS]
-    expected = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        with torch.inference_mode():
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=PREFIX,
-                              do_sample=False, pad_token_id=tok.eos_token_id)
-        expected.append(gen[0, len(p):].tolist())
     engine = Engine(EngineConfig(model=path, dtype="bfloat16", kv_tokens=4096))
     assert engine.model.config.dtype == torch.bfloat16
-    sp = SamplingParams(max_tokens=PREFIX, temperature=0.0)
+    sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     reqs = [GenerateRequest(f"q{i}", p, sp) for i, p in enumerate(prompts)]
     out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
-    got = [out[r.request_id].token_ids for r in reqs]
-    for g, e in zip(got, expected, strict=True):
-        assert g == e[: len(g)] and len(g) >= min(len(e), PREFIX) - 1, (
-            tok.decode(g), tok.decode(e))
-    assert "Paris" in tok.decode(got[0]), tok.decode(got[0])
+    exact = 0
+    for req, prompt in zip(reqs, prompts, strict=True):
+        got = out[req.request_id].token_ids
+        assert got
+        with torch.inference_mode():  # HF's logits for each position of the engine's text
+            ids = torch.tensor([prompt + got[:-1]])
+            logits = hf(ids).logits[0, len(prompt) - 1 :].float()
+        picked = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+        gap = logits.max(-1).values - picked
+        assert float(gap.max()) <= TIE, (tok.decode(got), gap.tolist())
+        exact += int(bool((gap == 0).all()))
+    assert exact >= 1  # a near-tie is the exception: most answers are HF's token for token
+    assert "Paris" in tok.decode(out[reqs[0].request_id].token_ids)
     s = engine.stats()
     assert s.running == s.waiting == s.kv_protected == 0
     assert s.kv_free + s.kv_evictable == s.kv_total

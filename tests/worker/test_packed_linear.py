@@ -93,11 +93,11 @@ def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17)]
     _, eager = engine_greedy(prompts)
     found = []
-    lookup = packed.packed_of
-    monkeypatch.setattr(packed, "packed_of", lambda w: found.append(lookup(w)) or found[-1])
+    lookup = packed._entry
+    monkeypatch.setattr(packed, "_entry", lambda w: found.append(lookup(w)) or found[-1])
     engine, compiled = engine_greedy(prompts, compile=True)
     assert all(k.active for k in engine.model.kernels)  # compiled for real, no fallback
-    assert found and all(p is not None and p.is_mkldnn for p in found)
+    assert found and all(e is not None and e.onednn.is_mkldnn for e in found)
     for e, c in zip(eager, compiled, strict=True):
         for i, (te, tc) in enumerate(zip(e.token_ids, c.token_ids, strict=True)):
             best = dict(e.top_logprobs[i])

@@ -8,29 +8,48 @@ shapes (one thread, bf16), 1.3-2x for the layer projections at 1-32 rows and ~1.
 float32 stays on `F.linear`: there oneDNN rounds differently from MKL, and the float32 engine
 matches HF transformers' greedy output exactly.
 
-Callers always hand `linear` the module's own dense weight; the packed copy sits beside it
-(`module.packed`, the price: a second copy of the linear weights in memory) and is found by
-the dense weight's address in a registry. So the model's functions take plain tensors only,
-which `torch.compile` needs (an mkldnn tensor cannot be a graph input): under compile the
-linear is the custom op `radixray::packed_linear`, opaque to inductor, which fuses the norms,
-RoPE, SwiGLU and residual adds around it; the op finds the packed weight at run time.
+In bfloat16 on one thread, a linear over a few rows (a decode batch: `pair_gemm.MAX_ROWS`)
+goes through `worker.models.pair_gemm` instead, where the CPU has AVX512-BF16: a C loop over a
+third copy of the weight, packed in pairs, that streams the weights faster than oneDNN does at
+those sizes (same bits but for a rare last-bit rounding); more rows, or more threads (oneDNN
+uses them all, the C loop one), stay on oneDNN.
+
+Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
+(`module.packed` and `module.pairs`, the price: two more copies of the linear weights in
+memory) and are found by the dense weight's address in a registry. So the model's functions
+take plain tensors only, which `torch.compile` needs (an mkldnn tensor cannot be a graph
+input): under compile the linear is the custom op `radixray::packed_linear`, opaque to
+inductor, which fuses the norms, RoPE, SwiGLU and residual adds around it; the op finds the
+packed weights at run time.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.models import pair_gemm
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 
-# dense weight's data_ptr -> (the dense weight, weakly; its packed copy). An entry counts only
-# while its dense weight lives (then no other tensor can start at that address) and has the
-# shape asked for (a view at the same address, e.g. a slice, is not the packed weight).
-_REGISTRY: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+
+class _Packed(NamedTuple):
+    owner: weakref.ref  # the dense weight, weakly
+    onednn: torch.Tensor  # oneDNN's blocked layout
+    pairs: torch.Tensor | None  # `pair_gemm.pack`'s layout, where that kernel serves
+    kernel: pair_gemm.PairGemm | None
+
+
+# dense weight's data_ptr -> its packed copies. An entry counts only while its dense weight
+# lives (then no other tensor can start at that address) and has the shape asked for (a view
+# at the same address, e.g. a slice, is not the packed weight).
+_REGISTRY: dict[int, _Packed] = {}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -50,8 +69,11 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and can_pack(module.weight):
             weight = module.weight.detach()
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+            kernel = pair_gemm.load() if pair_gemm.can_pack(weight, module.bias) else None
+            module.pairs = pair_gemm.pack(weight) if kernel is not None else None
             ptr = weight.data_ptr()
-            _REGISTRY[ptr] = (weakref.ref(module.weight, _forget(ptr)), module.packed)
+            owner = weakref.ref(module.weight, _forget(ptr))
+            _REGISTRY[ptr] = _Packed(owner, module.packed, module.pairs, kernel)
             count += 1
     return count
 
@@ -62,22 +84,27 @@ def _forget(ptr: int):
 
     def callback(ref: weakref.ref) -> None:
         entry = _REGISTRY.get(ptr)
-        if entry is not None and entry[0] is ref:
+        if entry is not None and entry.owner is ref:
             del _REGISTRY[ptr]
 
     return callback
 
 
 def packed_of(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy of the dense `weight`, or None."""
+    """The oneDNN-packed copy of the dense `weight`, or None."""
+    entry = _entry(weight)
+    return entry.onednn if entry is not None else None
+
+
+def _entry(weight: torch.Tensor) -> _Packed | None:
     entry = _REGISTRY.get(weight.data_ptr())
     if entry is None:
         return None
-    owner = entry[0]()
+    owner = entry.owner()
     if owner is None:  # that weight is gone: its address may now be another tensor's
         del _REGISTRY[weight.data_ptr()]
         return None
-    return entry[1] if owner.shape == weight.shape else None
+    return entry if owner.shape == weight.shape else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -89,10 +116,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    packed = packed_of(weight)
-    if packed is None:
+    entry = _entry(weight)
+    if entry is None:
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if (
+        entry.kernel is not None
+        and x.numel() <= pair_gemm.MAX_ROWS * x.shape[-1]
+        and x.dtype == torch.bfloat16
+        and torch.get_num_threads() == 1
+    ):
+        return entry.kernel(x, entry.pairs, bias, weight.shape[0])
+    return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 
 def _packed_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -1,0 +1,78 @@
+"""C sources built at first use into shared libraries for this CPU, cached on disk, loaded with
+ctypes (which releases the GIL during a call).
+
+A source is compiled with the system C compiler (`$CC`, default `cc`; `-march=native`, about a
+second) into `kernels/` of the model cache (`$RADIXRAY_CACHE`, default ~/.cache/radixray/models),
+keyed by source, flags and the CPU's instruction set: a cache directory shared between nodes
+must not hand one CPU's build to another (an instruction the other lacks would kill the
+process). `build` returns None when there is no compiler or the build fails; each kernel's
+caller then keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from worker.models.builtin import cache_root
+
+logger = logging.getLogger(__name__)
+
+# Reassociation (to vectorize the sums and maxima), but not -ffast-math: with GCC < 13 a shared
+# library built with it sets flush-to-zero for the whole process when it is loaded.
+FLAGS = (
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+    "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
+)  # fmt: skip
+
+
+def build(name: str, source: str) -> ctypes.CDLL | None:
+    """The library of `source` (built now unless a build for this CPU is cached), or None
+    (logged) when it cannot be built here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.info("no C compiler: the CPU kernel %s is off (torch path)", name)
+        return None
+    key = hashlib.sha256((source + " ".join(FLAGS) + _cpu()).encode()).hexdigest()
+    directory = cache_root() / "kernels"
+    library = directory / f"{name}_{key[:16]}.so"
+    try:
+        if not library.exists():
+            _compile(compiler, name, source, directory, library)
+        return ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)
+        return None
+
+
+def _cpu() -> str:
+    """The machine and its instruction-set flags (what `-march=native` builds for)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + " " + (flags or platform.processor())
+
+
+def _compile(compiler: str, name: str, source: str, directory: Path, library: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        path = Path(tmp) / f"{name}.c"
+        path.write_text(source)
+        built = Path(tmp) / library.name
+        subprocess.run(
+            [compiler, *FLAGS, str(path), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(built, library)  # atomic: concurrent builders never load a partial file
