@@ -26,7 +26,7 @@ from functools import cache
 
 import torch
 
-from worker.models import c_library
+import worker.models.c_library as c_library
 
 SOURCE = r"""
 #include <stdint.h>

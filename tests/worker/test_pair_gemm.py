@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import worker.models.pair_gemm as pair_gemm
 from worker.engine import Engine, EngineConfig
-from worker.models import pair_gemm
 from worker.models.packed import linear, pack_linears
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.models import pair_gemm
+import worker.models.pair_gemm as pair_gemm
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works

@@ -23,7 +23,7 @@ from functools import cache
 
 import torch
 
-from worker.models import c_library
+import worker.models.c_library as c_library
 
 MAX_ROWS = 16  # up to this many rows a linear takes this kernel; more go to oneDNN
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
