@@ -11,7 +11,7 @@ separate merge, mask or padding. Scores, softmax and the weighted sum are float3
 rounded to bfloat16 once. Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs
 (`vdpbf16ps`: products exact, sums in float32, as the weights are already rounded to bf16): K
 and V are read from the pool into tiles of pair words, no float32 copy, and two queries share
-each V load; the next tile's rows are prefetched while one computes. Elsewhere the same
+each V load; rows four tiles ahead are prefetched into L2 while one computes. Elsewhere the same
 algorithm runs on float32 vectors.
 
 Built at first use by `worker.models.c_library` (compiled for this CPU, cached on disk, loaded
@@ -44,6 +44,7 @@ SOURCE = r"""
 #define KB 32    /* keys per score tile: two vectors of 16 */
 #define KVS 512  /* keys per softmax block (torch's flash kernel uses the same) */
 #define QB 4   /* queries per score tile */
+#define AHEAD 4  /* tiles between a tile's prefetch and its use */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
 
@@ -101,7 +102,8 @@ static inline float block_max(const float *p, int64_t n) {
     return m;
 }
 
-/* Ask for the K and V rows of head h of up to KB keys at slots sl. */
+/* Ask for the K and V rows of head h of up to KB keys at slots sl, into L2 (the L1 has too
+   few outstanding misses to keep a stream of scattered rows going). */
 static inline void prefetch_rows(const uint16_t *kpool, const uint16_t *vpool,
                                  const int64_t *sl, int64_t n, int64_t KVH, int64_t h,
                                  int64_t D) {
@@ -109,11 +111,42 @@ static inline void prefetch_rows(const uint16_t *kpool, const uint16_t *vpool,
     for (int64_t j = 0; j < n; j++) {
         int64_t off = (sl[j] * KVH + h) * D;
         for (int64_t b = 0; b < D * 2; b += 64) {
-            __builtin_prefetch((const char *)(kpool + off) + b);
-            __builtin_prefetch((const char *)(vpool + off) + b);
+            __builtin_prefetch((const char *)(kpool + off) + b, 0, 1);
+            __builtin_prefetch((const char *)(vpool + off) + b, 0, 1);
         }
     }
 }
+
+#ifdef __AVX512BF16__
+/* out[n * stride + i] = word w0 + n of row i, for 16 rows (bf16 pairs as 32-bit words) and
+   the nw <= 16 words from w0: a 16 x 16 transpose in three shuffle stages. */
+static inline void transpose16(const uint16_t *const *rows, int64_t w0, int64_t nw,
+                               uint32_t *out, int64_t stride) {
+    __mmask16 m = nw >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nw) - 1u);
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_maskz_loadu_epi32(m, rows[i] + 2 * w0);
+    for (int i = 0; i < 8; i++) {  /* pairs of rows, word by word, in each 128-bit lane */
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {  /* lane L of u[4i + c]: word 4L + c of rows 4i..4i+3 */
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  /* word 4L + c: lane L of u[c], u[4 + c], u[8 + c], ... */
+        __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+        __m512i x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        __m512i w[4] = {_mm512_shuffle_i32x4(x0, y0, 0x88), _mm512_shuffle_i32x4(x1, y1, 0x88),
+                        _mm512_shuffle_i32x4(x0, y0, 0xDD), _mm512_shuffle_i32x4(x1, y1, 0xDD)};
+        for (int l = 0; l < 4; l++)
+            if (4 * l + c < nw) _mm512_storeu_si512(out + (4 * l + c) * stride, w[l]);
+    }
+}
+#endif
 
 /* Scores of the nq queries qf [nqp, D] (scaled; qh: the same queries as bfloat16 bits,
    unscaled) against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]; the keys'
@@ -127,13 +160,25 @@ static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t
 #ifdef __AVX512BF16__
     /* the values as [KB / 2, D] words: dim d of two consecutive keys (for p @ V in pairs) */
     uint32_t *vw = (uint32_t *)vf;
+    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                            1, 32, 0);
+    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
     for (int64_t j = 0; j < KB; j += 2) {  /* a short tile repeats its first key (unused) */
         int64_t off0 = (sl[j < nb ? j : 0] * KVH + h) * D;
         int64_t off1 = (sl[j + 1 < nb ? j + 1 : 0] * KVH + h) * D;
         kr[j] = kpool + off0;
         kr[j + 1] = kpool + off1;
-        for (int64_t d = 0; d < D; d++)
-            vw[j / 2 * D + d] = (uint32_t)vpool[off0 + d] | (uint32_t)vpool[off1 + d] << 16;
+        /* dim d of the two keys side by side: 32 dims of each per two shuffles */
+        for (int64_t d = 0; d < D; d += 32) {
+            __mmask32 m = D - d >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
+            __m512i a = _mm512_maskz_loadu_epi16(m, vpool + off0 + d);
+            __m512i b = _mm512_maskz_loadu_epi16(m, vpool + off1 + d);
+            _mm512_storeu_si512(vw + j / 2 * D + d, _mm512_permutex2var_epi16(a, lo_idx, b));
+            if (D - d >= 32)
+                _mm512_storeu_si512(vw + j / 2 * D + d + 16,
+                                    _mm512_permutex2var_epi16(a, hi_idx, b));
+        }
     }
 #else
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
@@ -149,8 +194,9 @@ static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t
     (void)ktv;
     (void)DV;
     uint32_t *kw = (uint32_t *)kt;
-    for (int64_t d2 = 0; d2 < D / 2; d2++)
-        for (int64_t j = 0; j < KB; j++) memcpy(kw + d2 * KB + j, kr[j] + 2 * d2, 4);
+    for (int64_t j0 = 0; j0 < KB; j0 += 16)
+        for (int64_t w0 = 0; w0 < D / 2; w0 += 16)
+            transpose16(kr + j0, w0, D / 2 - w0 < 16 ? D / 2 - w0 : 16, kw + w0 * KB + j0, KB);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t i = 0; i < nqp; i += QB) {
         __m512 s0a = _mm512_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a;
@@ -374,12 +420,15 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     qf[i * D + d] = row < 0 ? 0.0f : bf16_to_f32(q[row * D + d]) * scale;
                 }
             }
+            for (int64_t t = 0; t < AHEAD * KB && t < nkeys; t += KB)  /* the first tiles */
+                prefetch_rows(kpool, vpool, sl + t, nkeys - t, KVH, h, D);
             for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
                 int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB) {
                     int64_t nb = nbk - t0 < KB ? nbk - t0 : KB;
-                    if (b0 + t0 + KB < nkeys)  /* the next tile's rows, while this one runs */
-                        prefetch_rows(kpool, vpool, sl + b0 + t0 + KB, nkeys - b0 - t0 - KB, KVH,
+                    if (b0 + t0 + AHEAD * KB < nkeys)  /* rows AHEAD tiles on, while this runs */
+                        prefetch_rows(kpool, vpool, sl + b0 + t0 + AHEAD * KB,
+                                      nkeys - b0 - t0 - AHEAD * KB, KVH,
                                       h, D);
                     score_tile(qf, qh, scale, nq, nqp, kpool, vpool, sl + b0 + t0, nb, KVH,
                                h, D, kt, ktv, vf + t0 * D / VPACK, sc + t0);
