@@ -6,7 +6,9 @@
    `$RADIXRAY_VLLM_PYTHON`; prefix caching on, `--dtype`; its model torch.compiled, vLLM's
    default, unless `--enforce-eager`), runs every workload against it with `radixray bench`,
    stops it; then the same with `radixray serve --workers 1 --model DIR` (eager: its compiled
-   layers gain 0-10% on a decode step, docs/engine.md).
+   layers gain 0-10% on a decode step, docs/engine.md). `--radixray-first` swaps the order;
+   `--rounds N` runs both N times, swapping the order each round (the engine that runs second
+   has come out slower here, whichever it is), and reports each figure's median.
    One engine at a time, each with `--threads` compute threads and at the same niceness
    (`--vllm-nice`, 15: what Ray gives its workers, so also radixray's engine): vLLM with
    `VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS=N`, radixray's worker with
@@ -155,17 +157,19 @@ def bench(url: str, workload: list[str]) -> dict:
     }
 
 
-def run_engine(name: str, args: argparse.Namespace, model_dir: str, log_dir: Path) -> dict:
+def run_engine(
+    name: str, args: argparse.Namespace, model_dir: str, log_dir: Path, rnd: int
+) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     start = start_vllm if name == "vllm" else start_radixray
-    with open(log_dir / f"{name}.log", "w") as log:
+    with open(log_dir / f"{name}-{rnd}.log", "w") as log:
         t0 = time.monotonic()
         proc = start(args, model_dir, port, log)
         try:
             wait_ready(url, proc, args.start_timeout)
-            print(f"{name}: ready in {time.monotonic() - t0:.0f}s (log {log.name}); load average "
-                  f"{os.getloadavg()[0]:.1f}", flush=True)
+            print(f"{name}: ready in {time.monotonic() - t0:.0f}s (round {rnd}, log {log.name}); "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)
             results = {}
             for label, workload in workloads(args).items():
                 results[label] = r = bench(url, workload)
@@ -175,6 +179,34 @@ def run_engine(name: str, args: argparse.Namespace, model_dir: str, log_dir: Pat
             return results
         finally:
             stop(proc)
+
+
+def run_rounds(
+    engines: list[str], args: argparse.Namespace, model_dir: str, log_dir: Path
+) -> tuple[dict[str, dict], list[dict[str, dict]]]:
+    """Every engine once per round, the order swapped from one round to the next (on this
+    machine the engine that runs second has come out slower); returns the median of each
+    figure over the rounds, and every round's figures."""
+    rounds = []
+    for rnd in range(args.rounds):
+        order = engines if rnd % 2 == 0 else engines[::-1]
+        rounds.append({name: run_engine(name, args, model_dir, log_dir, rnd) for name in order})
+    medians = {
+        name: {
+            label: {key: _median([r[name][label][key] for r in rounds]) for key in figures}
+            for label, figures in rounds[0][name].items()
+        }
+        for name in engines
+    }
+    return medians, rounds
+
+
+def _median(values: list) -> float | None:
+    numbers = sorted(v for v in values if isinstance(v, (int, float)))
+    if not numbers:
+        return None
+    mid = len(numbers) // 2
+    return numbers[mid] if len(numbers) % 2 else (numbers[mid - 1] + numbers[mid]) / 2
 
 
 def _fmt(key: str, value: float | None) -> str:
@@ -226,6 +258,11 @@ def main() -> int:
     parser.add_argument("--vllm-python", default=os.environ.get("RADIXRAY_VLLM_PYTHON"),
                         help="python of the vLLM environment (default: $RADIXRAY_VLLM_PYTHON)")
     parser.add_argument("--only", choices=ENGINES, default=None, help="run one engine only")
+    parser.add_argument("--radixray-first", action="store_true",
+                        help="run radixray before vLLM in the first round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of both engines, the order swapped each round; the "
+                        "figures printed are each one's median (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without compiling")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="both engines' dtype (default: %(default)s, vLLM's own on a "
@@ -246,6 +283,8 @@ def main() -> int:
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
     engines = [args.only] if args.only else list(ENGINES)
+    if args.radixray_first:
+        engines.reverse()
     if "vllm" in engines and not args.vllm_python:
         parser.error("no vLLM environment: pass --vllm-python or set RADIXRAY_VLLM_PYTHON "
                      "(or --only radixray)")
@@ -253,11 +292,13 @@ def main() -> int:
     print(f"model {model_dir}; {args.dtype}; {args.threads} thread(s) per engine; "
           f"{os.cpu_count()} CPUs here", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="engine-vs-vllm-"))
-    results = {name: run_engine(name, args, model_dir, log_dir) for name in engines}
+    results, rounds = run_rounds(engines, args, model_dir, log_dir)
+    if args.rounds > 1:
+        print(f"\nmedians of {args.rounds} rounds, the order swapped each round")
     checks = report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "model_dir": model_dir, "results": results,
+            {"args": vars(args), "model_dir": model_dir, "results": results, "rounds": rounds,
              "goals": [{"goal": line, "pass": ok} for line, ok in checks]}, indent=2) + "\n")
     return 0
 
