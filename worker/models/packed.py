@@ -38,7 +38,6 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 
 
-
 class _Packed(NamedTuple):
     owner: weakref.ref  # the dense weight, weakly
     onednn: torch.Tensor  # oneDNN's blocked layout

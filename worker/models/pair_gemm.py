@@ -8,9 +8,10 @@ pair (`[O/64][K/2][64][2]`, pairs of consecutive inputs), so one 64-byte load ho
 pair and `vdpbf16ps` (AVX512-BF16) multiplies it with the input's pair broadcast: products exact,
 sums in float32, one rounding to bfloat16 at the end. The sums run in the order oneDNN's bf16
 kernels take (pair after pair), so the outputs are oneDNN's bits but for a rare last-bit
-rounding. Measured on SmolLM2-135M's shapes (one thread): 1.6-1.9x oneDNN's packed linear at
-1-4 rows, 1.2-1.3x at 6-8, even at 16; slower past that, where the work is arithmetic, and
-those sizes stay on oneDNN (`MAX_ROWS`).
+rounding (>= 99.9% of outputs the same in `bench/bench_linears.py`). Measured there on
+SmolLM2-135M's shapes (one thread, 30 layers' weights from memory): 1.5-2.3x oneDNN's packed
+linear at 1-4 rows (20-29 GB/s), 1.1-1.7x at 6-16; past that the work is arithmetic, the two
+even, and those sizes stay on oneDNN (`MAX_ROWS`).
 
 Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.

@@ -1,0 +1,74 @@
+"""bf16 linears at decode sizes: `worker.models.pair_gemm` against oneDNN's packed linear.
+
+For each row count, every layer's weights of one shape (distinct tensors, so the weights come
+from memory as in a decode step, not from cache) go through oneDNN's packed linear, then
+through the pair kernel; printed: ms per pass, the weight stream in GB/s, the ratio, and the
+share of outputs with the same bits. One torch thread (the kernel's own condition).
+
+    python bench/bench_linears.py                      # SmolLM2-135M's shapes, 30 layers
+    python bench/bench_linears.py --rows 1 8 --layers 8 --shape 4096x4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import worker.models.pair_gemm as pair_gemm
+
+SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")  # qkv, o, gate_up, down (out x in)
+
+
+def per_pass(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 6, 8, 12, 16])
+    parser.add_argument("--shape", nargs="*", default=list(SMOLLM2), help="OUTxIN")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeat", type=int, default=9)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    kernel = pair_gemm.load()
+    if kernel is None:
+        print("no pair kernel here (needs AVX512-BF16 and a C compiler)")
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'rows':>4} {'shape':>10} {'oneDNN ms':>10} {'GB/s':>6} {'pairs ms':>9} {'GB/s':>6} "
+          f"{'speed-up':>8} {'same bits':>9}")
+    for shape in args.shape:
+        out_f, in_f = (int(n) for n in shape.split("x"))
+        dense = [torch.randn(out_f, in_f, generator=gen).to(torch.bfloat16)
+                 for _ in range(args.layers)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in dense]
+        pairs = [pair_gemm.pack(w) for w in dense]
+        gb = args.layers * out_f * in_f * 2 / 1e9
+        for rows in args.rows:
+            x = torch.randn(rows, in_f, generator=gen).to(torch.bfloat16)
+            a = per_pass(lambda x=x, ws=onednn: [_onednn(x, w) for w in ws], args.repeat)
+            b = per_pass(lambda x=x, ps=pairs, n=out_f: [kernel(x, p, None, n) for p in ps],
+                         args.repeat)
+            ref = _onednn(x, onednn[0])
+            same = (kernel(x, pairs[0], None, out_f) == ref).double().mean().item()
+            print(f"{rows:>4} {shape:>10} {a * 1e3:>10.2f} {gb / a:>6.1f} {b * 1e3:>9.2f} "
+                  f"{gb / b:>6.1f} {a / b:>7.2f}x {same:>9.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
