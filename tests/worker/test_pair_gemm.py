@@ -86,11 +86,15 @@ def test_linear_takes_the_kernel_for_few_rows_on_one_thread(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_engine_greedy_output_with_the_kernel_is_onednns(monkeypatch):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_greedy_output_with_the_kernel_is_onednns(monkeypatch, page_size):
     """The same tiny bf16 model decoding with and without the kernel (one thread): the same
-    tokens, step by step, mixed prefill and decode batches included."""
+    tokens, step by step, mixed prefill and decode batches included, a prompt over 2k tokens
+    and two behind one shared prefix among them."""
     rng = random.Random(11)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 3)]
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 3, 2100)]
+    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    prompts += [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (7, 30)]
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -99,7 +103,8 @@ def test_engine_greedy_output_with_the_kernel_is_onednns(monkeypatch):
         for use in (True, False):
             if not use:
                 monkeypatch.setattr(pair_gemm, "MAX_ROWS", 0)
-            engine = Engine(EngineConfig(model="tiny", dtype="bfloat16", kv_tokens=1024))
+            engine = Engine(EngineConfig(
+                model="tiny", dtype="bfloat16", kv_tokens=8192, page_size=page_size))
             reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
             out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
             outs.append([out[r.request_id].token_ids for r in reqs])
