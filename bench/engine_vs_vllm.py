@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -202,11 +203,8 @@ def run_rounds(
 
 
 def _median(values: list) -> float | None:
-    numbers = sorted(v for v in values if isinstance(v, (int, float)))
-    if not numbers:
-        return None
-    mid = len(numbers) // 2
-    return numbers[mid] if len(numbers) % 2 else (numbers[mid - 1] + numbers[mid]) / 2
+    numbers = [v for v in values if v is not None]  # a figure a run could not measure: None
+    return statistics.median(numbers) if numbers else None
 
 
 def _fmt(key: str, value: float | None) -> str:

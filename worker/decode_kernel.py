@@ -428,8 +428,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     int64_t nb = nbk - t0 < KB ? nbk - t0 : KB;
                     if (b0 + t0 + AHEAD * KB < nkeys)  /* rows AHEAD tiles on, while this runs */
                         prefetch_rows(kpool, vpool, sl + b0 + t0 + AHEAD * KB,
-                                      nkeys - b0 - t0 - AHEAD * KB, KVH,
-                                      h, D);
+                                      nkeys - b0 - t0 - AHEAD * KB, KVH, h, D);
                     score_tile(qf, qh, scale, nq, nqp, kpool, vpool, sl + b0 + t0, nb, KVH,
                                h, D, kt, ktv, vf + t0 * D / VPACK, sc + t0);
                 }

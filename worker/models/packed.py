@@ -42,7 +42,6 @@ class _Packed(NamedTuple):
     owner: weakref.ref  # the dense weight, weakly
     onednn: torch.Tensor  # oneDNN's blocked layout
     pairs: torch.Tensor | None  # `pair_gemm.pack`'s layout, where that kernel serves
-    kernel: pair_gemm.PairGemm | None
 
 
 # dense weight's data_ptr -> its packed copies. An entry counts only while its dense weight
@@ -68,11 +67,11 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and can_pack(module.weight):
             weight = module.weight.detach()
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-            kernel = pair_gemm.load() if pair_gemm.can_pack(weight, module.bias) else None
-            module.pairs = pair_gemm.pack(weight) if kernel is not None else None
+            serves = pair_gemm.can_pack(weight, module.bias) and pair_gemm.load() is not None
+            module.pairs = pair_gemm.pack(weight) if serves else None
             ptr = weight.data_ptr()
             owner = weakref.ref(module.weight, _forget(ptr))
-            _REGISTRY[ptr] = _Packed(owner, module.packed, module.pairs, kernel)
+            _REGISTRY[ptr] = _Packed(owner, module.packed, module.pairs)
             count += 1
     return count
 
@@ -119,12 +118,12 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if entry is None:
         return F.linear(x, weight, bias)
     if (
-        entry.kernel is not None
+        entry.pairs is not None  # then the kernel loaded
         and x.numel() <= pair_gemm.MAX_ROWS * x.shape[-1]
         and x.dtype == torch.bfloat16
         and torch.get_num_threads() == 1
     ):
-        return entry.kernel(x, entry.pairs, bias, weight.shape[0])
+        return pair_gemm.load()(x, entry.pairs, bias, weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 

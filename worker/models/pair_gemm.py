@@ -101,7 +101,7 @@ TILE(4)
 
 /* out[rows, o] = x[rows, k] . w^T (+ bias): x bf16 row-major (k even), w packed as
    [ceil(o/64)][k/2][64][2] bf16 (outputs past o are zero), bias bf16 [o] or NULL. */
-int pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                 int64_t rows, int64_t k, int64_t o) {
     int64_t pairs = k / 2, groups = (o + 63) / 64;
     const uint32_t *xw = (const uint32_t *)x;
@@ -124,7 +124,6 @@ int pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint
             r += n;
         }
     }
-    return 0;
 }
 int pair_linear_available(void) { return 1; }
 #else
@@ -138,7 +137,7 @@ class PairGemm:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.pair_linear
-        fn.restype = ctypes.c_int
+        fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         self._fn = fn
 
