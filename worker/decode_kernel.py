@@ -4,19 +4,19 @@ Torch's CPU flash kernel is tuned for long query blocks; a decode step hands it 
 sequence (a few query heads per KV head), and then its fixed cost per (sequence, head) and its
 per-key work dominate, and the KV has to be gathered out of the pool first. This kernel walks
 *segments*: a list of key slots (read straight from the pool, no gather) and the sequences whose
-queries attend to them, for every KV head. Each query keeps an online-softmax state (running
-max, sum, float32 accumulator) across the segments it takes part in, so a group's shared prefix
-(one segment, all its members' queries) and each member's own keys (one segment each) need no
-separate merge, mask or padding. Scores, softmax and the weighted sum are float32; the output is
-rounded to bfloat16 once. Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs
-(`vdpbf16ps`: products exact, sums in float32, as the weights are already rounded to bf16): K
-and V are read from the pool into tiles of pair words, no float32 copy, and two queries share
-each V load; rows four tiles ahead are prefetched into L2 while one computes. Elsewhere the same
-algorithm runs on float32 vectors.
+queries attend to them. Each query keeps an online-softmax state (running max, sum, float32
+accumulator) across the segments it takes part in, so a group's shared prefix (one segment, all
+its members' queries) and each member's own keys (one segment each) need no separate merge,
+mask or padding. Scores, softmax and the weighted sum are float32; the weights are rounded to
+bfloat16 (as torch's flash kernel does) and the output once.
 
-Built at first use by `worker.models.c_library` (compiled for this CPU, cached on disk, loaded
-with ctypes); `load()` returns None when it cannot be built, and the `native` backend then keeps
-its pure-torch path.
+Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs (`vdpbf16ps`: products exact, sums
+in float32). A segment's keys go by in tiles of 32, each slot's row read once for every KV head
+(the pool is slot-major: one slot's K for all heads is contiguous): K transposed into pair
+words, V interleaved into pairs of keys, then per head the scores of all its queries, their
+softmax over the tile, and p @ V, up to six queries sharing each load. Rows a few tiles ahead
+are prefetched a few lines at a time, spread over a tile's work, so the memory reads overlap
+the arithmetic. Elsewhere the same algorithm runs on float32 vectors, a KV head at a time.
 """
 
 from __future__ import annotations
@@ -35,18 +35,10 @@ SOURCE = r"""
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#ifdef __AVX512BF16__
-#define VPACK 2  /* keys per word of the values tile (bf16 pairs) */
-#else
-#define VPACK 1
-#endif
 
-#define KB 32    /* keys per score tile: two vectors of 16 */
-#define KVS 512  /* keys per softmax block (torch's flash kernel uses the same) */
-#define QB 4   /* queries per score tile */
-#define AHEAD 4  /* tiles between a tile's prefetch and its use */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
+#define KB 32    /* keys per tile: the unit of scores, softmax and p @ V */
+#define QB 6     /* queries per register block (G = 3: a sequence's, or two sequences') */
+#define AHEAD 4  /* tiles between a slot's prefetch and its use */
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -62,15 +54,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
 
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float exp_f32(float x) {  /* Cephes expf: ~1 ulp, vectorizable */
+static inline float exp_f32(float x) {  /* Cephes expf: ~1 ulp */
     x = x < -87.0f ? -87.0f : x;
     float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -87,37 +71,51 @@ static inline float exp_f32(float x) {  /* Cephes expf: ~1 ulp, vectorizable */
     return y * s;
 }
 
-/* The largest of p[0..n) (n >= 1). */
-static inline float block_max(const float *p, int64_t n) {
-    int64_t j = 0;
-    float m = p[0];
-#ifdef __AVX512F__
-    if (n >= 16) {
-        __m512 v = _mm512_loadu_ps(p);
-        for (j = 16; j + 16 <= n; j += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(p + j));
-        m = _mm512_reduce_max_ps(v);
-    }
-#endif
-    for (; j < n; j++) m = p[j] > m ? p[j] : m;
-    return m;
-}
+#ifdef __AVX512BF16__
+/* Walks the slots of all segments in order, asking for their K and V rows (every head's)
+   into the cache a few tiles before a tile reads them, across segment boundaries. A tile's
+   share is asked for a few lines at a time, spread over its work: a burst of hundreds of
+   prefetches overruns the core's miss buffers and stalls it. */
+typedef struct {
+    const int64_t *slots, *seg;
+    const char *kpool, *vpool;
+    int64_t nseg, row;  /* row: bytes of one slot's K (or V), every head */
+    int64_t s, t, b;    /* the next line: byte b of the rows of key t of segment s */
+    int64_t due, step;  /* line pairs the current tile still owes; asked for per call */
+} Prefetcher;
 
-/* Ask for the K and V rows of head h of up to KB keys at slots sl, into L2 (the L1 has too
-   few outstanding misses to keep a stream of scattered rows going). */
-static inline void prefetch_rows(const uint16_t *kpool, const uint16_t *vpool,
-                                 const int64_t *sl, int64_t n, int64_t KVH, int64_t h,
-                                 int64_t D) {
-    n = n < KB ? n : KB;
-    for (int64_t j = 0; j < n; j++) {
-        int64_t off = (sl[j] * KVH + h) * D;
-        for (int64_t b = 0; b < D * 2; b += 64) {
-            __builtin_prefetch((const char *)(kpool + off) + b, 0, 1);
-            __builtin_prefetch((const char *)(vpool + off) + b, 0, 1);
+/* Ask for the next n (at most `due`) lines of K and V. */
+static void prefetch(Prefetcher *pf, int64_t n) {
+    n = n < pf->due ? n : pf->due;
+    pf->due -= n;
+    while (n > 0 && pf->s < pf->nseg) {
+        const int64_t *sg = pf->seg + 4 * pf->s;
+        if (pf->t >= sg[1]) {
+            pf->s++;
+            pf->t = 0;
+            continue;
+        }
+        int64_t off = pf->slots[sg[0] + pf->t] * pf->row;
+        int64_t end = pf->b + 64 * n < pf->row ? pf->b + 64 * n : pf->row;
+        for (int64_t b = pf->b; b < end; b += 64) {
+            __builtin_prefetch(pf->kpool + off + b, 0, 1);
+            __builtin_prefetch(pf->vpool + off + b, 0, 1);
+        }
+        n -= (end - pf->b + 63) / 64;
+        pf->b = end;
+        if (pf->b >= pf->row) {
+            pf->b = 0;
+            pf->t++;
         }
     }
 }
 
-#ifdef __AVX512BF16__
+/* Where the AVX512-BF16 pair products are. K and V are read from the pool in tiles of KB keys,
+   every KV head's row of a slot at once: K transposed to pair words [D / 2, KB] per head (two
+   dims of one key), V to pair words [KB / 2, D] per head (one dim of two keys). The V pairs
+   come from in-lane unpacks, so a head's D dims sit in a fixed permuted order (`dim_at`): the
+   float32 accumulators keep that order and the output undoes it. */
+
 /* out[n * stride + i] = word w0 + n of row i, for 16 rows (bf16 pairs as 32-bit words) and
    the nw <= 16 words from w0: a 16 x 16 transpose in three shuffle stages. */
 static inline void transpose16(const uint16_t *const *rows, int64_t w0, int64_t nw,
@@ -146,99 +144,295 @@ static inline void transpose16(const uint16_t *const *rows, int64_t w0, int64_t 
             if (4 * l + c < nw) _mm512_storeu_si512(out + (4 * l + c) * stride, w[l]);
     }
 }
-#endif
 
-/* Scores of the nq queries qf [nqp, D] (scaled; qh: the same queries as bfloat16 bits,
-   unscaled) against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]; the keys'
-   values, as float32, into vf [KB, D]. */
-static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t nq,
-                       int64_t nqp, const uint16_t *kpool, const uint16_t *vpool,
-                       const int64_t *sl, int64_t nb, int64_t KVH, int64_t h, int64_t D,
-                       float *kt, const v16 *ktv, float *vf, float *sc) {
-    const int64_t DV = D / 16;
-    const uint16_t *kr[KB];
-#ifdef __AVX512BF16__
-    /* the values as [KB / 2, D] words: dim d of two consecutive keys (for p @ V in pairs) */
-    uint32_t *vw = (uint32_t *)vf;
-    const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                            40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
-                                            1, 32, 0);
-    const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-    for (int64_t j = 0; j < KB; j += 2) {  /* a short tile repeats its first key (unused) */
-        int64_t off0 = (sl[j < nb ? j : 0] * KVH + h) * D;
-        int64_t off1 = (sl[j + 1 < nb ? j + 1 : 0] * KVH + h) * D;
-        kr[j] = kpool + off0;
-        kr[j + 1] = kpool + off1;
-        /* dim d of the two keys side by side: 32 dims of each per two shuffles */
-        for (int64_t d = 0; d < D; d += 32) {
-            __mmask32 m = D - d >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xFFFFu;
-            __m512i a = _mm512_maskz_loadu_epi16(m, vpool + off0 + d);
-            __m512i b = _mm512_maskz_loadu_epi16(m, vpool + off1 + d);
-            _mm512_storeu_si512(vw + j / 2 * D + d, _mm512_permutex2var_epi16(a, lo_idx, b));
-            if (D - d >= 32)
-                _mm512_storeu_si512(vw + j / 2 * D + d + 16,
-                                    _mm512_permutex2var_epi16(a, hi_idx, b));
+/* The dim held at position p of a head's permuted order: within each block of 32 dims (or
+   the last 16), the unpacks put dims 8L..8L+3 of 128-bit lane L first, then 8L+4..8L+7. */
+static inline int64_t dim_at(int64_t p, int64_t D) {
+    int64_t d = p / 32 * 32, w = D - d >= 32 ? 32 : 16, r = p - d, hi = r >= w / 2;
+    r -= hi * (w / 2);
+    return d + 8 * (r / 4) + 4 * hi + r % 4;
+}
+
+/* The tile's keys (nb <= KB, at slots sl; pool rows of KVH * D): K into kw [KVH, D / 2, KB]
+   words; V into vw [KVH, KB / 2, D] words, pair j of the last odd pair repeating key 0 (its
+   weight is zero, its value must be finite). Lanes of K past nb keep old words: their scores
+   are masked. */
+static void load_tile(const uint16_t *kpool, const uint16_t *vpool, const int64_t *sl,
+                      int64_t nb, int64_t KVH, int64_t D, uint32_t *kw, uint32_t *vw) {
+    const int64_t W = D / 2, row = KVH * D;
+    for (int64_t j0 = 0; j0 < nb; j0 += 16) {
+        const uint16_t *kr[16];
+        for (int i = 0; i < 16; i++) kr[i] = kpool + sl[j0 + i < nb ? j0 + i : 0] * row;
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t w0 = 0; w0 < W; w0 += 16)
+                transpose16(kr, h * W + w0, W - w0 < 16 ? W - w0 : 16,
+                            kw + (h * W + w0) * KB + j0, KB);
+    }
+    for (int64_t jp = 0; 2 * jp < nb; jp++) {
+        const uint16_t *a = vpool + sl[2 * jp] * row;
+        const uint16_t *b = vpool + sl[2 * jp + 1 < nb ? 2 * jp + 1 : 0] * row;
+        for (int64_t h = 0; h < KVH; h++) {
+            uint32_t *o = vw + (h * (KB / 2) + jp) * D;
+            int64_t d = 0;
+            for (; d + 32 <= D; d += 32) {
+                __m512i x = _mm512_loadu_si512(a + h * D + d);
+                __m512i y = _mm512_loadu_si512(b + h * D + d);
+                _mm512_storeu_si512(o + d, _mm512_unpacklo_epi16(x, y));
+                _mm512_storeu_si512(o + d + 16, _mm512_unpackhi_epi16(x, y));
+            }
+            if (d < D) {
+                __m256i x = _mm256_loadu_si256((const __m256i *)(a + h * D + d));
+                __m256i y = _mm256_loadu_si256((const __m256i *)(b + h * D + d));
+                _mm512_storeu_si512(o + d, _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_unpacklo_epi16(x, y)),
+                    _mm256_unpackhi_epi16(x, y), 1));
+            }
         }
     }
+}
+
+/* Scores of n <= QB queries (their bf16 rows as pair words, qw[r]) against the KB keys of kw
+   [W, KB], scaled, into sc[r * KB + j]. */
+static inline __attribute__((always_inline)) void score_block(
+    int n, const uint32_t *const *qw, const uint32_t *kw, int64_t W, float scale, float *sc) {
+    __m512 s[QB][2];
+    for (int r = 0; r < n; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t w = 0; w < W; w++) {
+        __m512bh ka = (__m512bh)_mm512_loadu_si512(kw + w * KB);
+        __m512bh kb = (__m512bh)_mm512_loadu_si512(kw + w * KB + 16);
+        for (int r = 0; r < n; r++) {
+            __m512bh b = (__m512bh)_mm512_set1_epi32((int)qw[r][w]);
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], b, ka);
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], b, kb);
+        }
+    }
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int r = 0; r < n; r++) {
+        _mm512_storeu_ps(sc + r * KB, _mm512_mul_ps(s[r][0], vs));
+        _mm512_storeu_ps(sc + r * KB + 16, _mm512_mul_ps(s[r][1], vs));
+    }
+}
+
+static void score_queries(int64_t nq, const uint32_t *const *qw, const uint32_t *kw,
+                          int64_t W, float scale, float *sc, Prefetcher *pf) {
+    for (int64_t i = 0; i < nq; i += QB) {
+        prefetch(pf, pf->step);
+        const uint32_t *const *q = qw + i;
+        float *o = sc + i * KB;
+        switch (nq - i < QB ? nq - i : QB) {
+        case 1: score_block(1, q, kw, W, scale, o); break;
+        case 2: score_block(2, q, kw, W, scale, o); break;
+        case 3: score_block(3, q, kw, W, scale, o); break;
+        case 4: score_block(4, q, kw, W, scale, o); break;
+        case 5: score_block(5, q, kw, W, scale, o); break;
+        default: score_block(6, q, kw, W, scale, o); break;
+        }
+    }
+}
+
+/* e^x on 16 floats (the Cephes polynomial of exp_f32, 2^n by scalef). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* One row's online softmax over a tile: scores sc[0..nb) -> its weights, rounded to bfloat16
+   (as torch's flash kernel does), as 16 pair words in place; the running max *mx and sum
+   vector *sv updated (the sum in float32, of the unrounded weights). Returns the factor the
+   row's accumulator must take first (1 when the max stays). */
+static inline float softmax_row(float *sc, int64_t nb, float *mx, float *sv) {
+    __mmask16 m0 = nb >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nb) - 1u);
+    __mmask16 m1 = nb >= 32 ? (__mmask16)0xFFFF
+                   : nb > 16 ? (__mmask16)((1u << (nb - 16)) - 1u) : (__mmask16)0;
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+    __m512 s0 = _mm512_mask_loadu_ps(ninf, m0, sc), s1 = _mm512_mask_loadu_ps(ninf, m1, sc + 16);
+    float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), corr = 1.0f;
+    __m512 sum = _mm512_loadu_ps(sv);
+    if (mt > *mx) {
+        corr = exp_f32(*mx - mt);
+        sum = _mm512_mul_ps(sum, _mm512_set1_ps(corr));
+        *mx = mt;
+    }
+    const __m512 vm = _mm512_set1_ps(*mx);
+    __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vm)));
+    __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vm)));
+    _mm512_storeu_ps(sv, _mm512_add_ps(sum, _mm512_add_ps(e0, e1)));
+    _mm512_storeu_si512(sc, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  /* word j: keys 2j, 2j+1 */
+    return corr;
+}
+
+/* acc_r = acc_r * corr_r + sum_j p_r[j] * v[j] for n <= QB queries over np key pairs, on
+   NV vectors of 16 dims from d: weights and values as bf16 pairs (pw[r]: [np] words, vw:
+   [np, D] words), products exact, sums float32. */
+static inline __attribute__((always_inline)) void weigh_block(
+    int n, int NV, const uint32_t *const *pw, int64_t np, const uint32_t *vw, int64_t D,
+    int64_t d, float *const *acc, const float *corr, int rescale) {
+    __m512 x[QB][4];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < NV; c++) {
+            x[r][c] = _mm512_loadu_ps(acc[r] + d + 16 * c);
+            if (rescale) x[r][c] = _mm512_mul_ps(x[r][c], _mm512_set1_ps(corr[r]));
+        }
+    for (int64_t jp = 0; jp < np; jp++) {
+        __m512bh v[4];
+        for (int c = 0; c < NV; c++) v[c] = (__m512bh)_mm512_loadu_si512(vw + jp * D + d + 16 * c);
+        for (int r = 0; r < n; r++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pw[r][jp]);
+            for (int c = 0; c < NV; c++) x[r][c] = _mm512_dpbf16_ps(x[r][c], a, v[c]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc[r] + d + 16 * c, x[r][c]);
+}
+
+static inline __attribute__((always_inline)) void weigh_dims(
+    int n, const uint32_t *const *pw, int64_t np, const uint32_t *vw, int64_t D,
+    float *const *acc, const float *corr, int rescale) {
+    for (int64_t d = 0; d < D; d += 64) {
+        switch (D - d >= 64 ? 4 : (D - d) / 16) {
+        case 1: weigh_block(n, 1, pw, np, vw, D, d, acc, corr, rescale); break;
+        case 2: weigh_block(n, 2, pw, np, vw, D, d, acc, corr, rescale); break;
+        case 3: weigh_block(n, 3, pw, np, vw, D, d, acc, corr, rescale); break;
+        default: weigh_block(n, 4, pw, np, vw, D, d, acc, corr, rescale); break;
+        }
+    }
+}
+
+static void weigh_queries(int64_t nq, const uint32_t *const *pw, int64_t np,
+                          const uint32_t *vw, int64_t D, float *const *acc, const float *corr,
+                          Prefetcher *pf) {
+    for (int64_t i = 0; i < nq; i += QB) {
+        prefetch(pf, pf->step);
+        int64_t n = nq - i < QB ? nq - i : QB;
+        int rescale = 0;
+        for (int64_t r = 0; r < n; r++) rescale |= corr[i + r] != 1.0f;
+        const uint32_t *const *p = pw + i;
+        float *const *a = acc + i;
+        switch (n) {
+        case 1: weigh_dims(1, p, np, vw, D, a, corr + i, rescale); break;
+        case 2: weigh_dims(2, p, np, vw, D, a, corr + i, rescale); break;
+        case 3: weigh_dims(3, p, np, vw, D, a, corr + i, rescale); break;
+        case 4: weigh_dims(4, p, np, vw, D, a, corr + i, rescale); break;
+        case 5: weigh_dims(5, p, np, vw, D, a, corr + i, rescale); break;
+        default: weigh_dims(6, p, np, vw, D, a, corr + i, rescale); break;
+        }
+    }
+}
+
+/* q [B, H, D], pools [S, KVH, D], out [B, H, D]: bfloat16 bits; D a multiple of 16.
+   seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
+   state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
+   max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
+int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
+                     const int64_t *slots, const int64_t *seg, const int64_t *members,
+                     int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
+                     float *state, uint16_t *out) {
+    const int64_t G = H / KVH, W = D / 2;
+    int64_t max_nq = 1;  /* queries of one KV head in a segment */
+    for (int64_t s = 0; s < nseg; s++)
+        if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
+    const int64_t nrows = KVH * max_nq;
+    size_t words = KVH * W * KB + KVH * (KB / 2) * D + nrows * KB + nrows + B * H * 16;
+    uint32_t *buf = aligned_alloc(64, ((sizeof(uint32_t) * words + 63) / 64) * 64);
+    void **ptrs = malloc(sizeof(void *) * 3 * nrows);
+    if (!buf || !ptrs) {
+        free(buf);
+        free(ptrs);
+        return 1;
+    }
+    memset(buf, 0, sizeof(uint32_t) * KVH * W * KB);  /* K lanes past a short first tile */
+    uint32_t *kw = buf, *vw = kw + KVH * W * KB;
+    float *sc = (float *)(vw + KVH * (KB / 2) * D), *corr = sc + nrows * KB;
+    float *sv = corr + nrows;
+    const uint32_t **qw = (const uint32_t **)ptrs, **pw = qw + nrows;
+    float **accs = (float **)(pw + nrows);
+    float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
+    memset(acc, 0, sizeof(float) * B * H * D);
+    memset(sv, 0, sizeof(float) * B * H * 16);
+    for (int64_t i = 0; i < B * H; i++) mx[i] = -1e30f;
+    for (int64_t i = 0; i < nrows; i++) pw[i] = (const uint32_t *)(sc + i * KB);
+    const int64_t row = KVH * D * 2, lines = (row + 63) / 64;  /* per slot, of K and of V */
+    Prefetcher pf = {slots, seg, (const char *)kpool, (const char *)vpool, nseg, row, 0, 0, 0,
+                     AHEAD * KB * lines, 0};
+    prefetch(&pf, pf.due);
+    for (int64_t s = 0; s < nseg; s++) {
+        const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
+        const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t i = 0; i < nq; i++) {
+                int64_t row = mem[i / G] * H + h * G + i % G;
+                qw[h * nq + i] = (const uint32_t *)(q + row * D);
+                accs[h * nq + i] = acc + row * D;
+            }
+        const int64_t calls = 1 + 2 * KVH * ((nq + QB - 1) / QB);  /* prefetches per tile */
+        for (int64_t t0 = 0; t0 < nkeys; t0 += KB) {
+            int64_t nb = nkeys - t0 < KB ? nkeys - t0 : KB;
+            pf.due += nb * lines;
+            pf.step = (nb * lines + calls - 1) / calls;
+            prefetch(&pf, pf.step);
+            load_tile(kpool, vpool, sl + t0, nb, KVH, D, kw, vw);
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t r0 = h * nq;
+                score_queries(nq, qw + r0, kw + h * W * KB, W, scale, sc + r0 * KB, &pf);
+                for (int64_t i = 0; i < nq; i++) {
+                    int64_t row = (accs[r0 + i] - acc) / D;
+                    corr[r0 + i] = softmax_row(sc + (r0 + i) * KB, nb, mx + row, sv + row * 16);
+                }
+                weigh_queries(nq, pw + r0, (nb + 1) / 2, vw + h * (KB / 2) * D, D, accs + r0,
+                              corr + r0, &pf);
+            }
+            prefetch(&pf, pf.due);
+        }
+    }
+    for (int64_t i = 0; i < B * H; i++) {
+        sum[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(sv + i * 16));
+        float inv = 1.0f / sum[i];
+        for (int64_t p = 0; p < D; p++)
+            out[i * D + dim_at(p, D)] = f32_to_bf16(acc[i * D + p] * inv);
+    }
+    free(buf);
+    free(ptrs);
+    return 0;
+}
 #else
+/* Elsewhere: float32 vectors, a KV head at a time, keys in softmax blocks of KVS. */
+#define KVS 512
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
+
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Scores of the nq queries qf [nqp, D] (scaled, nqp a multiple of 4) against nb <= KB keys
+   at slots sl, head h, into sc[i * KVS + j]; the keys' values, as float32, into vf [KB, D]. */
+static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t *kpool,
+                       const uint16_t *vpool, const int64_t *sl, int64_t nb, int64_t KVH,
+                       int64_t h, int64_t D, float *kt, float *vf, float *sc) {
+    const int64_t DV = D / 16;
+    const uint16_t *kr[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
         kr[j] = kpool + off;
         for (int64_t d = 0; d < D; d++) vf[j * D + d] = bf16_to_f32(vpool[off + d]);
     }
-#endif
-#ifdef __AVX512BF16__
-    /* bf16 pairs (vdpbf16ps): K as [D / 2, KB] words (two dims of one key each); QB queries
-       x KB keys in 2 * QB accumulators; exact products, summed in float32 */
-    (void)qf;
-    (void)ktv;
-    (void)DV;
-    uint32_t *kw = (uint32_t *)kt;
-    for (int64_t j0 = 0; j0 < KB; j0 += 16)
-        for (int64_t w0 = 0; w0 < D / 2; w0 += 16)
-            transpose16(kr + j0, w0, D / 2 - w0 < 16 ? D / 2 - w0 : 16, kw + w0 * KB + j0, KB);
-    const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < nqp; i += QB) {
-        __m512 s0a = _mm512_setzero_ps(), s0b = s0a, s1a = s0a, s1b = s0a;
-        __m512 s2a = s0a, s2b = s0a, s3a = s0a, s3b = s0a;
-        const uint16_t *q0 = qh + i * D;
-        for (int64_t d2 = 0; d2 < D / 2; d2++) {
-            __m512bh ka = (__m512bh)_mm512_loadu_si512(kw + d2 * KB);
-            __m512bh kb = (__m512bh)_mm512_loadu_si512(kw + d2 * KB + 16);
-            uint32_t w0, w1, w2, w3;
-            memcpy(&w0, q0 + 2 * d2, 4);
-            memcpy(&w1, q0 + D + 2 * d2, 4);
-            memcpy(&w2, q0 + 2 * D + 2 * d2, 4);
-            memcpy(&w3, q0 + 3 * D + 2 * d2, 4);
-            __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)w0);
-            __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)w1);
-            __m512bh b2 = (__m512bh)_mm512_set1_epi32((int)w2);
-            __m512bh b3 = (__m512bh)_mm512_set1_epi32((int)w3);
-            s0a = _mm512_dpbf16_ps(s0a, b0, ka);
-            s0b = _mm512_dpbf16_ps(s0b, b0, kb);
-            s1a = _mm512_dpbf16_ps(s1a, b1, ka);
-            s1b = _mm512_dpbf16_ps(s1b, b1, kb);
-            s2a = _mm512_dpbf16_ps(s2a, b2, ka);
-            s2b = _mm512_dpbf16_ps(s2b, b2, kb);
-            s3a = _mm512_dpbf16_ps(s3a, b3, ka);
-            s3b = _mm512_dpbf16_ps(s3b, b3, kb);
-        }
-        float *o = sc + i * KVS;
-        _mm512_storeu_ps(o, _mm512_mul_ps(s0a, vscale));
-        _mm512_storeu_ps(o + 16, _mm512_mul_ps(s0b, vscale));
-        _mm512_storeu_ps(o + KVS, _mm512_mul_ps(s1a, vscale));
-        _mm512_storeu_ps(o + KVS + 16, _mm512_mul_ps(s1b, vscale));
-        _mm512_storeu_ps(o + 2 * KVS, _mm512_mul_ps(s2a, vscale));
-        _mm512_storeu_ps(o + 2 * KVS + 16, _mm512_mul_ps(s2b, vscale));
-        _mm512_storeu_ps(o + 3 * KVS, _mm512_mul_ps(s3a, vscale));
-        _mm512_storeu_ps(o + 3 * KVS + 16, _mm512_mul_ps(s3b, vscale));
-    }
-    return;
-#else
-    (void)qh;
-    (void)scale;
-#endif
-    if (nq <= QB) {  /* few queries: a dot product per key row, no transposed copy */
+    if (nq <= 4) {  /* few queries: a dot product per key row, no transposed copy */
         for (int64_t j = 0; j < nb; j++) {
             float *krow = kt + j % 2 * D;
             for (int64_t d = 0; d < D; d++) krow[d] = bf16_to_f32(kr[j][d]);
@@ -254,17 +448,10 @@ static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t
         }
         return;
     }
-    for (int64_t d = 0; d < D; d += 2) {  /* K transposed to [D, KB], two dims at a time */
-        for (int64_t j = 0; j < KB; j++) {
-            uint32_t w, lo, hi;
-            memcpy(&w, kr[j] + d, 4);
-            lo = w << 16;
-            hi = w & 0xFFFF0000u;
-            memcpy(kt + d * KB + j, &lo, 4);
-            memcpy(kt + (d + 1) * KB + j, &hi, 4);
-        }
-    }
-    for (int64_t i = 0; i < nqp; i += QB) {  /* QB queries x 16 keys per register tile */
+    for (int64_t d = 0; d < D; d++)  /* K transposed to [D, KB] */
+        for (int64_t j = 0; j < KB; j++) kt[d * KB + j] = bf16_to_f32(kr[j][d]);
+    const v16 *ktv = (const v16 *)kt;
+    for (int64_t i = 0; i < nqp; i += 4) {  /* 4 queries x 16 keys per register tile */
         for (int c = 0; c < KB / 16; c++) {
             v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
             const float *q0 = qf + i * D;
@@ -283,126 +470,36 @@ static void score_tile(const float *qf, const uint16_t *qh, float scale, int64_t
     }
 }
 
-#ifndef __AVX512BF16__
-/* acc [DV vectors] = acc * corr + sum_j p[j] * vf[j], four independent chains. */
+/* acc [DV vectors] = acc * corr + sum_j p[j] * vf[j]. */
 static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, v16u *acc,
                          float corr) {
-    int64_t dv = 0;
-    for (; dv + 4 <= DV; dv += 4) {
-        v16 x0 = acc[dv] * corr, x1 = acc[dv + 1] * corr;
-        v16 x2 = acc[dv + 2] * corr, x3 = acc[dv + 3] * corr;
-        for (int64_t j = 0; j < n; j++) {
-            const v16 *vj = vfv + j * DV + dv;
-            float pj = p[j];
-            x0 += pj * vj[0];
-            x1 += pj * vj[1];
-            x2 += pj * vj[2];
-            x3 += pj * vj[3];
-        }
-        acc[dv] = x0;
-        acc[dv + 1] = x1;
-        acc[dv + 2] = x2;
-        acc[dv + 3] = x3;
-    }
-    for (; dv < DV; dv++) {
+    for (int64_t dv = 0; dv < DV; dv++) {
         v16 x = acc[dv] * corr;
         for (int64_t j = 0; j < n; j++) x += p[j] * vfv[j * DV + dv];
         acc[dv] = x;
     }
 }
-#endif
 
-#ifdef __AVX512BF16__
-/* acc_r = acc_r * corr_r + sum_j p_r[j] * v[j] for two queries (acc1 NULL: one), the weights
-   and values as bf16 pairs (pw: [np] words, vw: [np, D] words), products exact, sums float32. */
-static void weigh_pairs(const uint32_t *pw0, const uint32_t *pw1, int64_t np,
-                        const uint32_t *vw, int64_t D, float *acc0, float corr0, float *acc1,
-                        float corr1) {
-    const __m512 c0 = _mm512_set1_ps(corr0), c1 = _mm512_set1_ps(corr1);
-    int64_t d = 0;
-    for (; d + 64 <= D; d += 64) {
-        __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d), c0);
-        __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 16), c0);
-        __m512 x2 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 32), c0);
-        __m512 x3 = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d + 48), c0);
-        __m512 y0 = _mm512_setzero_ps(), y1 = y0, y2 = y0, y3 = y0;
-        if (acc1) {
-            y0 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d), c1);
-            y1 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 16), c1);
-            y2 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 32), c1);
-            y3 = _mm512_mul_ps(_mm512_loadu_ps(acc1 + d + 48), c1);
-        }
-        for (int64_t jp = 0; jp < np; jp++) {
-            const uint32_t *v = vw + jp * D + d;
-            __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
-            __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 16);
-            __m512bh v2 = (__m512bh)_mm512_loadu_si512(v + 32);
-            __m512bh v3 = (__m512bh)_mm512_loadu_si512(v + 48);
-            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pw0[jp]);
-            __m512bh b = (__m512bh)_mm512_set1_epi32((int)pw1[jp]);
-            x0 = _mm512_dpbf16_ps(x0, a, v0);
-            x1 = _mm512_dpbf16_ps(x1, a, v1);
-            x2 = _mm512_dpbf16_ps(x2, a, v2);
-            x3 = _mm512_dpbf16_ps(x3, a, v3);
-            y0 = _mm512_dpbf16_ps(y0, b, v0);
-            y1 = _mm512_dpbf16_ps(y1, b, v1);
-            y2 = _mm512_dpbf16_ps(y2, b, v2);
-            y3 = _mm512_dpbf16_ps(y3, b, v3);
-        }
-        _mm512_storeu_ps(acc0 + d, x0);
-        _mm512_storeu_ps(acc0 + d + 16, x1);
-        _mm512_storeu_ps(acc0 + d + 32, x2);
-        _mm512_storeu_ps(acc0 + d + 48, x3);
-        if (acc1) {
-            _mm512_storeu_ps(acc1 + d, y0);
-            _mm512_storeu_ps(acc1 + d + 16, y1);
-            _mm512_storeu_ps(acc1 + d + 32, y2);
-            _mm512_storeu_ps(acc1 + d + 48, y3);
-        }
-    }
-    for (; d < D; d += 16) {
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc0 + d), c0);
-        __m512 y = acc1 ? _mm512_mul_ps(_mm512_loadu_ps(acc1 + d), c1) : _mm512_setzero_ps();
-        for (int64_t jp = 0; jp < np; jp++) {
-            __m512bh v = (__m512bh)_mm512_loadu_si512(vw + jp * D + d);
-            x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_set1_epi32((int)pw0[jp]), v);
-            y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_set1_epi32((int)pw1[jp]), v);
-        }
-        _mm512_storeu_ps(acc0 + d, x);
-        if (acc1) _mm512_storeu_ps(acc1 + d, y);
-    }
-}
-#endif
-
-/* q [B, H, D], pools [S, KVH, D], out [B, H, D]: bfloat16 bits; D a multiple of 16.
-   seg [nseg, 4]: offset into `slots`, key count, offset into `members`, member count.
-   state: float32 [B * H * (D + 2)]: accumulators [B * H, D], then the running
-   max [B * H] and sum [B * H]. Returns 0, or 1 when out of memory. */
 int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
                      float *state, uint16_t *out) {
-    const int64_t G = H / KVH, DV = D / 16;
-    int64_t max_nq = QB;
+    const int64_t G = H / KVH;
+    int64_t max_nq = 4;
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
-    max_nq = (max_nq + QB - 1) / QB * QB;
+    max_nq = (max_nq + 3) / 4 * 4;
     size_t floats = max_nq * D + KB * D + KVS * D + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);
-    uint16_t *qh = malloc(sizeof(uint16_t) * max_nq * D);
-    float *corrs = malloc(sizeof(float) * max_nq);
-    if (!buf || !rows || !qh || !corrs) {
+    if (!buf || !rows) {
         free(buf);
         free(rows);
-        free(qh);
-        free(corrs);
         return 1;
     }
     float *qf = buf, *kt = qf + max_nq * D, *vf = kt + KB * D, *sc = vf + KVS * D;
-    const v16 *ktv = (const v16 *)kt, *vfv = (const v16 *)vf;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
-    for (int64_t i = 0; i < B * H * D; i++) acc[i] = 0.0f;
+    memset(acc, 0, sizeof(float) * B * H * D);
     for (int64_t i = 0; i < B * H; i++) {
         mx[i] = -1e30f;
         sum[i] = 0.0f;
@@ -410,32 +507,24 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
         const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
-        const int64_t nqp = (nq + QB - 1) / QB * QB;
+        const int64_t nqp = (nq + 3) / 4 * 4;
         for (int64_t h = 0; h < KVH; h++) {
             for (int64_t i = 0; i < nqp; i++) {  /* the segment's queries of head group h */
                 int64_t row = i < nq ? mem[i / G] * H + h * G + i % G : -1;
                 rows[i] = row;
-                for (int64_t d = 0; d < D; d++) {
-                    qh[i * D + d] = row < 0 ? 0 : q[row * D + d];
+                for (int64_t d = 0; d < D; d++)
                     qf[i * D + d] = row < 0 ? 0.0f : bf16_to_f32(q[row * D + d]) * scale;
-                }
             }
-            for (int64_t t = 0; t < AHEAD * KB && t < nkeys; t += KB)  /* the first tiles */
-                prefetch_rows(kpool, vpool, sl + t, nkeys - t, KVH, h, D);
             for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
                 int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
-                for (int64_t t0 = 0; t0 < nbk; t0 += KB) {
-                    int64_t nb = nbk - t0 < KB ? nbk - t0 : KB;
-                    if (b0 + t0 + AHEAD * KB < nkeys)  /* rows AHEAD tiles on, while this runs */
-                        prefetch_rows(kpool, vpool, sl + b0 + t0 + AHEAD * KB,
-                                      nkeys - b0 - t0 - AHEAD * KB, KVH, h, D);
-                    score_tile(qf, qh, scale, nq, nqp, kpool, vpool, sl + b0 + t0, nb, KVH,
-                               h, D, kt, ktv, vf + t0 * D / VPACK, sc + t0);
-                }
+                for (int64_t t0 = 0; t0 < nbk; t0 += KB)
+                    score_tile(qf, nq, nqp, kpool, vpool, sl + b0 + t0,
+                               nbk - t0 < KB ? nbk - t0 : KB, KVH, h, D, kt, vf + t0 * D,
+                               sc + t0);
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
-                    float *p = sc + i * KVS;
+                    float *p = sc + i * KVS, mb = p[0];
                     int64_t row = rows[i];
-                    float mb = block_max(p, nbk);
+                    for (int64_t j = 1; j < nbk; j++) mb = p[j] > mb ? p[j] : mb;
                     float m_new = mx[row] > mb ? mx[row] : mb;
                     float corr = exp_f32(mx[row] - m_new), psum = 0.0f;
                     for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
@@ -445,32 +534,8 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
-#ifdef __AVX512BF16__
-                    corrs[i] = corr;
-                    uint32_t *pw = (uint32_t *)p;  /* the weights as pairs, in place */
-                    if (nbk % 2) p[nbk] = 0.0f;  /* nbk < KVS: the row has room */
-                    for (int64_t j = 0; j < nbk; j += 2) {
-                        uint32_t lo, hi;
-                        memcpy(&lo, p + j, 4);
-                        memcpy(&hi, p + j + 1, 4);
-                        pw[j / 2] = lo >> 16 | (hi & 0xFFFF0000u);
-                    }
+                    weigh_values(p, nbk, (const v16 *)vf, D / 16, (v16u *)(acc + row * D), corr);
                 }
-                const uint32_t *vw = (const uint32_t *)vf;
-                const int64_t np = (nbk + 1) / 2;
-                for (int64_t i = 0; i < nq; i += 2) {  /* two queries share each V load */
-                    int64_t i1 = i + 1 < nq ? i + 1 : i;
-                    weigh_pairs((const uint32_t *)(sc + i * KVS), (const uint32_t *)(sc + i1 * KVS),
-                                np, vw, D, acc + rows[i] * D, corrs[i],
-                                i1 != i ? acc + rows[i1] * D : NULL, corrs[i1]);
-                }
-                (void)vfv;
-                (void)DV;
-#else
-                    (void)corrs;
-                    weigh_values(p, nbk, vfv, DV, (v16u *)(acc + row * D), corr);
-                }
-#endif
             }
         }
     }
@@ -480,10 +545,9 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     }
     free(buf);
     free(rows);
-    free(qh);
-    free(corrs);
     return 0;
 }
+#endif
 """
 
 
