@@ -195,22 +195,21 @@ static void load_tile(const uint16_t *kpool, const uint16_t *vpool, const int64_
    [W, KB], scaled, into sc[r * KB + j]. */
 static inline __attribute__((always_inline)) void score_block(
     int n, const uint32_t *const *qw, const uint32_t *kw, int64_t W, float scale, float *sc) {
-    __m512 s[QB][2];
-    for (int r = 0; r < n; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    __m512 s[QB][KB / 16];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < KB / 16; c++) s[r][c] = _mm512_setzero_ps();
     for (int64_t w = 0; w < W; w++) {
-        __m512bh ka = (__m512bh)_mm512_loadu_si512(kw + w * KB);
-        __m512bh kb = (__m512bh)_mm512_loadu_si512(kw + w * KB + 16);
+        __m512bh k[KB / 16];
+        for (int c = 0; c < KB / 16; c++) k[c] = (__m512bh)_mm512_loadu_si512(kw + w * KB + 16 * c);
         for (int r = 0; r < n; r++) {
             __m512bh b = (__m512bh)_mm512_set1_epi32((int)qw[r][w]);
-            s[r][0] = _mm512_dpbf16_ps(s[r][0], b, ka);
-            s[r][1] = _mm512_dpbf16_ps(s[r][1], b, kb);
+            for (int c = 0; c < KB / 16; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], b, k[c]);
         }
     }
     const __m512 vs = _mm512_set1_ps(scale);
-    for (int r = 0; r < n; r++) {
-        _mm512_storeu_ps(sc + r * KB, _mm512_mul_ps(s[r][0], vs));
-        _mm512_storeu_ps(sc + r * KB + 16, _mm512_mul_ps(s[r][1], vs));
-    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < KB / 16; c++)
+            _mm512_storeu_ps(sc + r * KB + 16 * c, _mm512_mul_ps(s[r][c], vs));
 }
 
 static void score_queries(int64_t nq, const uint32_t *const *qw, const uint32_t *kw,
@@ -253,23 +252,33 @@ static inline __m512 exp16(__m512 x) {
    vector *sv updated (the sum in float32, of the unrounded weights). Returns the factor the
    row's accumulator must take first (1 when the max stays). */
 static inline float softmax_row(float *sc, int64_t nb, float *mx, float *sv) {
-    __mmask16 m0 = nb >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nb) - 1u);
-    __mmask16 m1 = nb >= 32 ? (__mmask16)0xFFFF
-                   : nb > 16 ? (__mmask16)((1u << (nb - 16)) - 1u) : (__mmask16)0;
-    const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
-    __m512 s0 = _mm512_mask_loadu_ps(ninf, m0, sc), s1 = _mm512_mask_loadu_ps(ninf, m1, sc + 16);
-    float mt = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), corr = 1.0f;
+    const __m512 ninf = _mm512_set1_ps(-__builtin_inff()), mo = _mm512_set1_ps(*mx);
+    __m512 s[KB / 16], top = ninf;
+    __mmask16 m[KB / 16], up = 0;
+    for (int c = 0; c < KB / 16; c++) {
+        int64_t left = nb - 16 * c;
+        m[c] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1u) : 0;
+        s[c] = _mm512_mask_loadu_ps(ninf, m[c], sc + 16 * c);
+        up |= _mm512_cmp_ps_mask(s[c], mo, _CMP_GT_OQ);
+    }
+    float corr = 1.0f;
     __m512 sum = _mm512_loadu_ps(sv);
-    if (mt > *mx) {
+    if (up) {  /* a new max (rare after the first tiles) */
+        for (int c = 0; c < KB / 16; c++) top = _mm512_max_ps(top, s[c]);
+        float mt = _mm512_reduce_max_ps(top);
         corr = exp_f32(*mx - mt);
         sum = _mm512_mul_ps(sum, _mm512_set1_ps(corr));
         *mx = mt;
     }
     const __m512 vm = _mm512_set1_ps(*mx);
-    __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, vm)));
-    __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, vm)));
-    _mm512_storeu_ps(sv, _mm512_add_ps(sum, _mm512_add_ps(e0, e1)));
-    _mm512_storeu_si512(sc, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  /* word j: keys 2j, 2j+1 */
+    for (int c = 0; c < KB / 16; c += 2) {
+        __m512 e0 = _mm512_maskz_mov_ps(m[c], exp16(_mm512_sub_ps(s[c], vm)));
+        __m512 e1 = _mm512_maskz_mov_ps(m[c + 1], exp16(_mm512_sub_ps(s[c + 1], vm)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        /* word j: keys 2j, 2j+1 */
+        _mm512_storeu_si512(sc + 8 * c, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    _mm512_storeu_ps(sv, sum);
     return corr;
 }
 
