@@ -13,10 +13,10 @@ bfloat16 (as torch's flash kernel does) and the output once.
 Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs (`vdpbf16ps`: products exact, sums
 in float32). A segment's keys go by in tiles of 32, each slot's row read once for every KV head
 (the pool is slot-major: one slot's K for all heads is contiguous): K transposed into pair
-words, V interleaved into pairs of keys, then per head the scores of all its queries, their
-softmax over the tile, and p @ V, up to six queries sharing each load. Rows a few tiles ahead
-are prefetched a few lines at a time, spread over a tile's work, so the memory reads overlap
-the arithmetic. Elsewhere the same algorithm runs on float32 vectors, a KV head at a time.
+words, then per head the scores of all its queries, their softmax over the tile, and p @ V
+(V read from the pool and unpacked into pairs of keys on the way), up to six queries sharing
+each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
+work, so the memory reads overlap the arithmetic. Elsewhere the same algorithm runs on float32 vectors, a KV head at a time.
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ static void prefetch(Prefetcher *pf, int64_t n) {
     }
 }
 
-/* Where the AVX512-BF16 pair products are. K and V are read from the pool in tiles of KB keys,
-   every KV head's row of a slot at once: K transposed to pair words [D / 2, KB] per head (two
-   dims of one key), V to pair words [KB / 2, D] per head (one dim of two keys). The V pairs
-   come from in-lane unpacks, so a head's D dims sit in a fixed permuted order (`dim_at`): the
-   float32 accumulators keep that order and the output undoes it. */
+/* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
+   a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
+   the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
+   (one dim of two keys). The unpacks work within 128-bit lanes, so a head's D dims sit in a
+   fixed permuted order (`dim_at`): the float32 accumulators keep that order and the output
+   undoes it. */
 
 /* out[n * stride + i] = word w0 + n of row i, for 16 rows (bf16 pairs as 32-bit words) and
    the nw <= 16 words from w0: a 16 x 16 transpose in three shuffle stages. */
@@ -154,11 +155,10 @@ static inline int64_t dim_at(int64_t p, int64_t D) {
 }
 
 /* The tile's keys (nb <= KB, at slots sl; pool rows of KVH * D): K into kw [KVH, D / 2, KB]
-   words; V into vw [KVH, KB / 2, D] words, pair j of the last odd pair repeating key 0 (its
-   weight is zero, its value must be finite). Lanes of K past nb keep old words: their scores
-   are masked. */
+   words (lanes past nb keep old words: their scores are masked); vr[j]: key j's V row, the
+   last odd pair's second key repeating key 0 (its weight is zero, its value must be finite). */
 static void load_tile(const uint16_t *kpool, const uint16_t *vpool, const int64_t *sl,
-                      int64_t nb, int64_t KVH, int64_t D, uint32_t *kw, uint32_t *vw) {
+                      int64_t nb, int64_t KVH, int64_t D, uint32_t *kw, const uint16_t **vr) {
     const int64_t W = D / 2, row = KVH * D;
     for (int64_t j0 = 0; j0 < nb; j0 += 16) {
         const uint16_t *kr[16];
@@ -168,27 +168,7 @@ static void load_tile(const uint16_t *kpool, const uint16_t *vpool, const int64_
                 transpose16(kr, h * W + w0, W - w0 < 16 ? W - w0 : 16,
                             kw + (h * W + w0) * KB + j0, KB);
     }
-    for (int64_t jp = 0; 2 * jp < nb; jp++) {
-        const uint16_t *a = vpool + sl[2 * jp] * row;
-        const uint16_t *b = vpool + sl[2 * jp + 1 < nb ? 2 * jp + 1 : 0] * row;
-        for (int64_t h = 0; h < KVH; h++) {
-            uint32_t *o = vw + (h * (KB / 2) + jp) * D;
-            int64_t d = 0;
-            for (; d + 32 <= D; d += 32) {
-                __m512i x = _mm512_loadu_si512(a + h * D + d);
-                __m512i y = _mm512_loadu_si512(b + h * D + d);
-                _mm512_storeu_si512(o + d, _mm512_unpacklo_epi16(x, y));
-                _mm512_storeu_si512(o + d + 16, _mm512_unpackhi_epi16(x, y));
-            }
-            if (d < D) {
-                __m256i x = _mm256_loadu_si256((const __m256i *)(a + h * D + d));
-                __m256i y = _mm256_loadu_si256((const __m256i *)(b + h * D + d));
-                _mm512_storeu_si512(o + d, _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_unpacklo_epi16(x, y)),
-                    _mm256_unpackhi_epi16(x, y), 1));
-            }
-        }
-    }
+    for (int64_t j = 0; j < nb + 1 && j < KB; j++) vr[j] = vpool + sl[j < nb ? j : 0] * row;
 }
 
 /* Scores of n <= QB queries (their bf16 rows as pair words, qw[r]) against the KB keys of kw
@@ -283,11 +263,12 @@ static inline float softmax_row(float *sc, int64_t nb, float *mx, float *sv) {
 }
 
 /* acc_r = acc_r * corr_r + sum_j p_r[j] * v[j] for n <= QB queries over np key pairs, on
-   NV vectors of 16 dims from d: weights and values as bf16 pairs (pw[r]: [np] words, vw:
-   [np, D] words), products exact, sums float32. */
+   NV vectors of 16 dims (from acc[r] + d; the values from vr[j] + vd): the weights as bf16
+   pair words (pw[r]: [np]), the values unpacked into pairs of keys here (dims in `dim_at`
+   order), products exact, sums float32. */
 static inline __attribute__((always_inline)) void weigh_block(
-    int n, int NV, const uint32_t *const *pw, int64_t np, const uint32_t *vw, int64_t D,
-    int64_t d, float *const *acc, const float *corr, int rescale) {
+    int n, int NV, const uint32_t *const *pw, int64_t np, const uint16_t *const *vr, int64_t vd,
+    float *const *acc, int64_t d, const float *corr, int rescale) {
     __m512 x[QB][4];
     for (int r = 0; r < n; r++)
         for (int c = 0; c < NV; c++) {
@@ -295,11 +276,23 @@ static inline __attribute__((always_inline)) void weigh_block(
             if (rescale) x[r][c] = _mm512_mul_ps(x[r][c], _mm512_set1_ps(corr[r]));
         }
     for (int64_t jp = 0; jp < np; jp++) {
+        const uint16_t *a = vr[2 * jp] + vd, *b = vr[2 * jp + 1] + vd;
         __m512bh v[4];
-        for (int c = 0; c < NV; c++) v[c] = (__m512bh)_mm512_loadu_si512(vw + jp * D + d + 16 * c);
+        for (int c = 0; c + 1 < NV; c += 2) {
+            __m512i va = _mm512_loadu_si512(a + 16 * c), vb = _mm512_loadu_si512(b + 16 * c);
+            v[c] = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+            v[c + 1] = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+        }
+        if (NV % 2) {
+            __m256i va = _mm256_loadu_si256((const __m256i *)(a + 16 * (NV - 1)));
+            __m256i vb = _mm256_loadu_si256((const __m256i *)(b + 16 * (NV - 1)));
+            v[NV - 1] = (__m512bh)_mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_unpacklo_epi16(va, vb)),
+                _mm256_unpackhi_epi16(va, vb), 1);
+        }
         for (int r = 0; r < n; r++) {
-            __m512bh a = (__m512bh)_mm512_set1_epi32((int)pw[r][jp]);
-            for (int c = 0; c < NV; c++) x[r][c] = _mm512_dpbf16_ps(x[r][c], a, v[c]);
+            __m512bh w = (__m512bh)_mm512_set1_epi32((int)pw[r][jp]);
+            for (int c = 0; c < NV; c++) x[r][c] = _mm512_dpbf16_ps(x[r][c], w, v[c]);
         }
     }
     for (int r = 0; r < n; r++)
@@ -307,21 +300,22 @@ static inline __attribute__((always_inline)) void weigh_block(
 }
 
 static inline __attribute__((always_inline)) void weigh_dims(
-    int n, const uint32_t *const *pw, int64_t np, const uint32_t *vw, int64_t D,
-    float *const *acc, const float *corr, int rescale) {
+    int n, const uint32_t *const *pw, int64_t np, const uint16_t *const *vr, int64_t hd,
+    int64_t D, float *const *acc, const float *corr, int rescale) {
     for (int64_t d = 0; d < D; d += 64) {
         switch (D - d >= 64 ? 4 : (D - d) / 16) {
-        case 1: weigh_block(n, 1, pw, np, vw, D, d, acc, corr, rescale); break;
-        case 2: weigh_block(n, 2, pw, np, vw, D, d, acc, corr, rescale); break;
-        case 3: weigh_block(n, 3, pw, np, vw, D, d, acc, corr, rescale); break;
-        default: weigh_block(n, 4, pw, np, vw, D, d, acc, corr, rescale); break;
+        case 1: weigh_block(n, 1, pw, np, vr, hd + d, acc, d, corr, rescale); break;
+        case 2: weigh_block(n, 2, pw, np, vr, hd + d, acc, d, corr, rescale); break;
+        case 3: weigh_block(n, 3, pw, np, vr, hd + d, acc, d, corr, rescale); break;
+        default: weigh_block(n, 4, pw, np, vr, hd + d, acc, d, corr, rescale); break;
         }
     }
 }
 
+/* p @ V of a head's nq queries over a tile: vr[j] + hd is key j's V row of this head. */
 static void weigh_queries(int64_t nq, const uint32_t *const *pw, int64_t np,
-                          const uint32_t *vw, int64_t D, float *const *acc, const float *corr,
-                          Prefetcher *pf) {
+                          const uint16_t *const *vr, int64_t hd, int64_t D, float *const *acc,
+                          const float *corr, Prefetcher *pf) {
     for (int64_t i = 0; i < nq; i += QB) {
         prefetch(pf, pf->step);
         int64_t n = nq - i < QB ? nq - i : QB;
@@ -330,12 +324,12 @@ static void weigh_queries(int64_t nq, const uint32_t *const *pw, int64_t np,
         const uint32_t *const *p = pw + i;
         float *const *a = acc + i;
         switch (n) {
-        case 1: weigh_dims(1, p, np, vw, D, a, corr + i, rescale); break;
-        case 2: weigh_dims(2, p, np, vw, D, a, corr + i, rescale); break;
-        case 3: weigh_dims(3, p, np, vw, D, a, corr + i, rescale); break;
-        case 4: weigh_dims(4, p, np, vw, D, a, corr + i, rescale); break;
-        case 5: weigh_dims(5, p, np, vw, D, a, corr + i, rescale); break;
-        default: weigh_dims(6, p, np, vw, D, a, corr + i, rescale); break;
+        case 1: weigh_dims(1, p, np, vr, hd, D, a, corr + i, rescale); break;
+        case 2: weigh_dims(2, p, np, vr, hd, D, a, corr + i, rescale); break;
+        case 3: weigh_dims(3, p, np, vr, hd, D, a, corr + i, rescale); break;
+        case 4: weigh_dims(4, p, np, vr, hd, D, a, corr + i, rescale); break;
+        case 5: weigh_dims(5, p, np, vr, hd, D, a, corr + i, rescale); break;
+        default: weigh_dims(6, p, np, vr, hd, D, a, corr + i, rescale); break;
         }
     }
 }
@@ -353,20 +347,22 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     const int64_t nrows = KVH * max_nq;
-    size_t words = KVH * W * KB + KVH * (KB / 2) * D + nrows * KB + nrows + B * H * 16;
+    size_t words = KVH * W * KB + nrows * KB + nrows + B * H * 16;
     uint32_t *buf = aligned_alloc(64, ((sizeof(uint32_t) * words + 63) / 64) * 64);
-    void **ptrs = malloc(sizeof(void *) * 3 * nrows);
+    void **ptrs = malloc(sizeof(void *) * (5 * nrows + KB));
     if (!buf || !ptrs) {
         free(buf);
         free(ptrs);
         return 1;
     }
     memset(buf, 0, sizeof(uint32_t) * KVH * W * KB);  /* K lanes past a short first tile */
-    uint32_t *kw = buf, *vw = kw + KVH * W * KB;
-    float *sc = (float *)(vw + KVH * (KB / 2) * D), *corr = sc + nrows * KB;
+    uint32_t *kw = buf;
+    float *sc = (float *)(kw + KVH * W * KB), *corr = sc + nrows * KB;
     float *sv = corr + nrows;
     const uint32_t **qw = (const uint32_t **)ptrs, **pw = qw + nrows;
-    float **accs = (float **)(pw + nrows);
+    float **accs = (float **)(pw + nrows), **svs = accs + nrows;
+    float **mxs = svs + nrows;
+    const uint16_t **vr = (const uint16_t **)(mxs + nrows);
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
     memset(sv, 0, sizeof(float) * B * H * 16);
@@ -384,6 +380,8 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                 int64_t row = mem[i / G] * H + h * G + i % G;
                 qw[h * nq + i] = (const uint32_t *)(q + row * D);
                 accs[h * nq + i] = acc + row * D;
+                svs[h * nq + i] = sv + row * 16;
+                mxs[h * nq + i] = mx + row;
             }
         const int64_t calls = 1 + 2 * KVH * ((nq + QB - 1) / QB);  /* prefetches per tile */
         for (int64_t t0 = 0; t0 < nkeys; t0 += KB) {
@@ -391,16 +389,14 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
             pf.due += nb * lines;
             pf.step = (nb * lines + calls - 1) / calls;
             prefetch(&pf, pf.step);
-            load_tile(kpool, vpool, sl + t0, nb, KVH, D, kw, vw);
+            load_tile(kpool, vpool, sl + t0, nb, KVH, D, kw, vr);
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t r0 = h * nq;
                 score_queries(nq, qw + r0, kw + h * W * KB, W, scale, sc + r0 * KB, &pf);
-                for (int64_t i = 0; i < nq; i++) {
-                    int64_t row = (accs[r0 + i] - acc) / D;
-                    corr[r0 + i] = softmax_row(sc + (r0 + i) * KB, nb, mx + row, sv + row * 16);
-                }
-                weigh_queries(nq, pw + r0, (nb + 1) / 2, vw + h * (KB / 2) * D, D, accs + r0,
-                              corr + r0, &pf);
+                for (int64_t i = r0; i < r0 + nq; i++)
+                    corr[i] = softmax_row(sc + i * KB, nb, mxs[i], svs[i]);
+                weigh_queries(nq, pw + r0, (nb + 1) / 2, vr, h * D, D, accs + r0, corr + r0,
+                              &pf);
             }
             prefetch(&pf, pf.due);
         }
