@@ -16,7 +16,8 @@ in float32). A segment's keys go by in tiles of 32, each slot's row read once fo
 words, then per head the scores of all its queries, their softmax over the tile, and p @ V
 (V read from the pool and unpacked into pairs of keys on the way), up to six queries sharing
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
-work, so the memory reads overlap the arithmetic. Elsewhere the same algorithm runs on float32 vectors, a KV head at a time.
+work, so the memory reads overlap the arithmetic. Elsewhere the same algorithm runs on
+float32 vectors, a KV head at a time.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ static void prefetch(Prefetcher *pf, int64_t n) {
    a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
    the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
    (one dim of two keys). The unpacks work within 128-bit lanes, so a head's D dims sit in a
-   fixed permuted order (`dim_at`): the float32 accumulators keep that order and the output
+   fixed permuted order (`write_row`): the float32 accumulators keep that order and the output
    undoes it. */
 
 /* out[n * stride + i] = word w0 + n of row i, for 16 rows (bf16 pairs as 32-bit words) and
@@ -146,12 +147,27 @@ static inline void transpose16(const uint16_t *const *rows, int64_t w0, int64_t 
     }
 }
 
-/* The dim held at position p of a head's permuted order: within each block of 32 dims (or
-   the last 16), the unpacks put dims 8L..8L+3 of 128-bit lane L first, then 8L+4..8L+7. */
-static inline int64_t dim_at(int64_t p, int64_t D) {
-    int64_t d = p / 32 * 32, w = D - d >= 32 ? 32 : 16, r = p - d, hi = r >= w / 2;
-    r -= hi * (w / 2);
-    return d + 8 * (r / 4) + 4 * hi + r % 4;
+/* out [D] = acc [D] * inv, rounded to bfloat16 (nearest even), acc in the unpacks' order: in
+   each block of 32 positions (or the last 16), dims 8L..8L+3 of 128-bit lane L, then (the
+   block's second half) dims 8L+4..8L+7. */
+static void write_row(const float *acc, float inv, int64_t D, uint16_t *out) {
+    const __m512i lo = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+    const __m512i one = _mm512_set_epi32(15, 14, 13, 12, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 x;
+        if (D - d >= 32 && d % 32 == 0)
+            x = _mm512_permutex2var_ps(_mm512_loadu_ps(acc + d), lo, _mm512_loadu_ps(acc + d + 16));
+        else if (d % 32)
+            x = _mm512_permutex2var_ps(_mm512_loadu_ps(acc + d - 16), hi, _mm512_loadu_ps(acc + d));
+        else
+            x = _mm512_permutexvar_ps(one, _mm512_loadu_ps(acc + d));
+        __m512i u = _mm512_castps_si512(_mm512_mul_ps(x, vinv));
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm256_storeu_si256((__m256i *)(out + d), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
 }
 
 /* The tile's keys (nb <= KB, at slots sl; pool rows of KVH * D): K into kw [KVH, D / 2, KB]
@@ -264,7 +280,7 @@ static inline float softmax_row(float *sc, int64_t nb, float *mx, float *sv) {
 
 /* acc_r = acc_r * corr_r + sum_j p_r[j] * v[j] for n <= QB queries over np key pairs, on
    NV vectors of 16 dims (from acc[r] + d; the values from vr[j] + vd): the weights as bf16
-   pair words (pw[r]: [np]), the values unpacked into pairs of keys here (dims in `dim_at`
+   pair words (pw[r]: [np]), the values unpacked into pairs of keys here (dims in `write_row`'s
    order), products exact, sums float32. */
 static inline __attribute__((always_inline)) void weigh_block(
     int n, int NV, const uint32_t *const *pw, int64_t np, const uint16_t *const *vr, int64_t vd,
@@ -403,9 +419,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     }
     for (int64_t i = 0; i < B * H; i++) {
         sum[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(sv + i * 16));
-        float inv = 1.0f / sum[i];
-        for (int64_t p = 0; p < D; p++)
-            out[i * D + dim_at(p, D)] = f32_to_bf16(acc[i * D + p] * inv);
+        write_row(acc + i * D, 1.0f / sum[i], D, out + i * D);
     }
     free(buf);
     free(ptrs);
