@@ -1,13 +1,19 @@
 """The C decode-attention kernel: exact attention over segments of the paged pool, in place.
 
 Against a float64 reference on random segment layouts (groups over a shared prefix, sequences
-over their own keys, blocks longer than the kernel's 512-key softmax block); through the
-`native` backend against the `torch` reference; its fallback when it cannot be built; and on
-the real SmolLM2 weights in bfloat16 against HF transformers, decoding over a shared system
-prompt (the one path that takes it).
+over their own keys, any count of keys against the 32-key tiles and the float32 path's 512-key
+softmax blocks, head sizes with a 16-dim tail); the float32 path too (built here without
+AVX512-BF16); through the `native` backend against the `torch` reference; its fallback when it
+cannot be built; and on the real SmolLM2 weights in bfloat16 against HF transformers, decoding
+over a shared system prompt (the one path that takes it).
 """
 
 from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -21,6 +27,7 @@ from worker import decode_kernel
 from worker.attention import AttentionBatch
 from worker.attention_backends import make_attention
 from worker.attention_native import MIN_SHARED, NativeAttention
+from worker.models import c_library
 
 BF16 = torch.bfloat16
 POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys
@@ -51,7 +58,7 @@ layouts = st.fixed_dictionaries(
     {
         "kv_heads": st.sampled_from([1, 2, 3]),
         "group": st.sampled_from([1, 3, 4]),
-        "dim": st.sampled_from([16, 64]),
+        "dim": st.sampled_from([16, 48, 64]),
         # per group of sequences: shared prefix length, own key counts of its members
         "groups": st.lists(
             st.tuples(st.integers(0, 700), st.lists(st.integers(1, 600), min_size=1, max_size=5)),
@@ -66,6 +73,28 @@ layouts = st.fixed_dictionaries(
 @settings(max_examples=30, deadline=None)
 @given(layout=layouts)
 def test_kernel_matches_float64_attention_over_any_segments(kernel, layout):
+    check_layout(kernel, layout)
+
+
+def test_the_float32_path_matches_float64_attention(tmp_path):
+    """The kernel as built for a CPU without AVX512-BF16 (its float32 path), run here."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source, library = tmp_path / "kernel.c", tmp_path / "kernel.so"
+    source.write_text(decode_kernel.SOURCE)
+    build = [compiler, *c_library.FLAGS, "-mno-avx512bf16", str(source), "-o", str(library)]
+    if subprocess.run(build, capture_output=True).returncode != 0:
+        pytest.skip("this compiler cannot build for x86 without AVX512-BF16")
+    kernel = decode_kernel.DecodeKernel(ctypes.CDLL(str(library)))
+    for seed, (kvh, group, dim) in enumerate([(3, 3, 64), (1, 4, 16), (2, 1, 48)]):
+        groups = [(600, [1, 70, 3]), (0, [300]), (40, [5, 9])]
+        check_layout(kernel, {"kv_heads": kvh, "group": group, "dim": dim, "groups": groups,
+                              "seed": seed})  # fmt: skip
+
+
+def check_layout(kernel, layout):
+    """The kernel over a layout of `layouts` against float64 attention."""
     kvh, dim = layout["kv_heads"], layout["dim"]
     heads = kvh * layout["group"]
     gen = torch.Generator().manual_seed(layout["seed"])
@@ -94,9 +123,7 @@ def test_kernel_matches_float64_attention_over_any_segments(kernel, layout):
         slots.append(own)
         offset += own.numel()
     q = torch.randn(len(seq_slots), heads, dim, generator=gen).to(BF16)
-    out = kernel(
-        q, k_buf, v_buf, torch.cat(slots), torch.tensor(rows), torch.tensor(members)
-    )
+    out = kernel(q, k_buf, v_buf, torch.cat(slots), torch.tensor(rows), torch.tensor(members))
     ref = reference(q, k_buf, v_buf, seq_slots)
     # bfloat16 weights and output: within a few bf16 steps of the exact result
     torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
