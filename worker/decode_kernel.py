@@ -386,7 +386,8 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     for (int64_t i = 0; i < nrows; i++) pw[i] = (const uint32_t *)(sc + i * KB);
     const int64_t row = KVH * D * 2, lines = (row + 63) / 64;  /* per slot, of K and of V */
     Prefetcher pf = {slots, seg, (const char *)kpool, (const char *)vpool, nseg, row, 0, 0, 0,
-                     AHEAD * KB * lines, 0};
+                     KB * lines, 0};
+    int64_t ramp = (AHEAD - 1) * KB * lines;  /* the rest of the distance, a tile at a time */
     prefetch(&pf, pf.due);
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
@@ -402,8 +403,10 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
         const int64_t calls = 1 + 2 * KVH * ((nq + QB - 1) / QB);  /* prefetches per tile */
         for (int64_t t0 = 0; t0 < nkeys; t0 += KB) {
             int64_t nb = nkeys - t0 < KB ? nkeys - t0 : KB;
-            pf.due += nb * lines;
-            pf.step = (nb * lines + calls - 1) / calls;
+            int64_t more = ramp < KB * lines ? ramp : KB * lines;
+            ramp -= more;
+            pf.due += nb * lines + more;
+            pf.step = (nb * lines + more + calls - 1) / calls;
             prefetch(&pf, pf.step);
             load_tile(kpool, vpool, sl + t0, nb, KVH, D, kw, vr);
             for (int64_t h = 0; h < KVH; h++) {
