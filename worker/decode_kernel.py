@@ -16,8 +16,8 @@ in float32). A segment's keys go by in tiles of 32, each slot's row read once fo
 words, then per head the scores of all its queries, their softmax over the tile, and p @ V
 (V read from the pool and unpacked into pairs of keys on the way), up to six queries sharing
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
-work, so the memory reads overlap the arithmetic. Elsewhere the same algorithm runs on
-float32 vectors, a KV head at a time.
+work, so the memory reads overlap the arithmetic. Elsewhere the same segments and online
+softmax run on float32 vectors, a KV head at a time, in blocks of 512 keys.
 """
 
 from __future__ import annotations
