@@ -112,7 +112,8 @@ void rope(const uint16_t *qkv, int64_t ld, int64_t rows, int64_t H, int64_t KVH,
           const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *k) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *c = cos + r * d, *s = sin + r * d;
-        for (int64_t h = 0; h < H; h++) rotate(qkv + r * ld + h * d, c, s, q + (r * H + h) * d, d / 2);
+        for (int64_t h = 0; h < H; h++)
+            rotate(qkv + r * ld + h * d, c, s, q + (r * H + h) * d, d / 2);
         for (int64_t h = 0; h < KVH; h++)
             rotate(qkv + r * ld + (H + h) * d, c, s, k + (r * KVH + h) * d, d / 2);
     }
