@@ -1,7 +1,7 @@
 """The C element-wise loops of a bf16 layer (`worker.models.fused_ops`) against torch's eager
-ops: RoPE and the residual add bit for bit, SiLU * up and the norms up to the last bit of a
-bf16 (the exp inside SiLU and the order of a norm's sum of squares differ), and a tiny bf16
-engine decoding the same tokens with and without them."""
+ops: RoPE and the residual add bit for bit, SiLU * up and the norms up to a bf16 step or two
+in rare values (the exp inside SiLU and the order of a norm's sum of squares differ), and a
+tiny bf16 engine decoding the same tokens with and without them."""
 
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ def bf16(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     scale=st.sampled_from([1e-3, 1.0, 30.0]),
     seed=st.integers(0, 2**16),
 )
-def test_norms_are_eagers_up_to_a_last_bit(ops, rows, n, scale, seed):
+def test_norms_are_eagers_but_for_rare_last_bits(ops, rows, n, scale, seed):
     x, res, w = bf16(seed, rows, n, scale=scale), bf16(seed + 1, rows, n), bf16(seed + 2, n)
+    # The scale's sum runs in another order: x * scale may round one bf16 step apart, and
+    # the weight's product after it up to two; almost every value is eager's.
     out = ops.rms_norm(x, w, 1e-5)
-    assert int(ulps_apart(out, eager_norm(x, w, 1e-5)).max()) <= 1
+    apart = ulps_apart(out, eager_norm(x, w, 1e-5))
+    assert int(apart.max()) <= 2 and float((apart == 0).float().mean()) > 0.99
     total, normed = ops.add_rms_norm(x, res, w, 1e-6)
     assert torch.equal(total, x + res)  # the residual add: one rounding, as torch's
-    assert int(ulps_apart(normed, eager_norm(x + res, w, 1e-6)).max()) <= 1
+    apart = ulps_apart(normed, eager_norm(x + res, w, 1e-6))
+    assert int(apart.max()) <= 2 and float((apart == 0).float().mean()) > 0.99
     assert torch.equal(x, bf16(seed, rows, n, scale=scale))  # the inputs are left as they were
 
 

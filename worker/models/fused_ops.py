@@ -30,46 +30,7 @@ import worker.models.c_library as c_library
 
 PARALLEL_ROWS = 64  # with several torch threads, batches of more rows stay on torch's ops
 
-SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-static inline float f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t bf16(float f) {  /* round to nearest even, NaN kept a NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float rounded(float f) { return f32(bf16(f)); }
-
-/* Cephes expf: ~1 ulp, vectorizable; past ~88.7 (float32's largest) it is inf, as expf's */
-static inline float exp_f32(float x) {
-    x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    float twice = n > 127.0f ? 1.0f : 0.0f;  /* 2^128 is no float: take 2^127, then double */
-    int32_t e = ((int32_t)(n - twice) + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return y * s * (1.0f + twice);
-}
-
+SOURCE = c_library.BF16_SCALARS + r"""
 /* rows x n: out = w * bf16(x * rsqrt(mean(x^2) + eps)). With res: x = bf16(x + res) first,
    stored to sum. Every row is n contiguous values; x, res, sum, out rows are n apart. */
 void rms_norm(const uint16_t *x, const uint16_t *res, uint16_t *sum, const uint16_t *w,
@@ -82,17 +43,18 @@ void rms_norm(const uint16_t *x, const uint16_t *res, uint16_t *sum, const uint1
             const uint16_t *rr = res + r * n;
             uint16_t *sr = sum + r * n;
             for (int64_t i = 0; i < n; i++) {
-                uint16_t s = bf16(f32(xr[i]) + f32(rr[i]));
+                uint16_t s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
                 sr[i] = s;
-                buf[i] = f32(s);
+                buf[i] = bf16_to_f32(s);
             }
         } else {
-            for (int64_t i = 0; i < n; i++) buf[i] = f32(xr[i]);
+            for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(xr[i]);
         }
         for (int64_t i = 0; i < n; i++) ss += buf[i] * buf[i];
         float scale = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
         uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) o[i] = bf16(f32(w[i]) * rounded(buf[i] * scale));
+        for (int64_t i = 0; i < n; i++)
+            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(buf[i] * scale));
     }
 }
 
@@ -100,9 +62,11 @@ void rms_norm(const uint16_t *x, const uint16_t *res, uint16_t *sum, const uint1
 static inline void rotate(const uint16_t *restrict x, const uint16_t *restrict c,
                           const uint16_t *restrict s, uint16_t *restrict o, int64_t half) {
     for (int64_t i = 0; i < half; i++)
-        o[i] = bf16(rounded(f32(x[i]) * f32(c[i])) + rounded(-f32(x[i + half]) * f32(s[i])));
+        o[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])) +
+                           round_bf16(-bf16_to_f32(x[i + half]) * bf16_to_f32(s[i])));
     for (int64_t i = half; i < 2 * half; i++)
-        o[i] = bf16(rounded(f32(x[i]) * f32(c[i])) + rounded(f32(x[i - half]) * f32(s[i])));
+        o[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])) +
+                           round_bf16(bf16_to_f32(x[i - half]) * bf16_to_f32(s[i])));
 }
 
 /* The rotate-half RoPE of the q and k heads of rows of the fused projection qkv (row stride
@@ -125,8 +89,8 @@ void silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t m) {
         const uint16_t *restrict g = gu + r * 2 * m, *restrict u = g + m;
         uint16_t *restrict o = out + r * m;
         for (int64_t i = 0; i < m; i++) {
-            float x = f32(g[i]);
-            o[i] = bf16(rounded(x / (1.0f + exp_f32(-x))) * f32(u[i]));
+            float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(x / (1.0f + exp_f32(-x))) * bf16_to_f32(u[i]));
         }
     }
 }
