@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker import decode_kernel
+from worker import decode_kernel, prefill_kernel
 from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
 
 
@@ -60,12 +60,21 @@ class NativeAttention(AttentionBackend):
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_buf, v_buf, plan)
         same_dtype = k_buf.dtype == q.dtype
-        for start, q_len, prefix_slots in plan.prefills:
+        chunk_kernel = self._prefill_kernel(q, k_buf)
+        for start, q_len, prefix_slots, slots in plan.prefills:
             end = start + q_len
+            if chunk_kernel is not None:  # the chunk's keys read from the pool in place
+                out[start:end] = chunk_kernel(q[start:end], k_buf, v_buf, slots)
+                continue
             out[start:end] = _prefill(
                 q[start:end], k[start:end], v[start:end], prefix_slots, k_buf, v_buf, same_dtype
             )
         return out
+
+    def _prefill_kernel(self, q: torch.Tensor, k_buf: torch.Tensor):
+        if not (self.use_kernel and prefill_kernel.supports(q, k_buf)):
+            return None
+        return prefill_kernel.load()
 
     def _gather(
         self, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
@@ -152,7 +161,8 @@ class _NativePlan:
     decode_mask: torch.Tensor | None  # [B, 1, 1, Kmax] where a key is real (bool or additive)
     kmax: int  # keys per sequence past its shared prefix (padded)
     num_kv_heads: int
-    prefills: list[tuple[int, int, torch.Tensor | None]]  # start, q_len, cached-prefix slots
+    # per prefill chunk: start, q_len, its cached prefix's slots (or None), all its slots
+    prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor]]
     shared: list[tuple[torch.Tensor, int]]  # per group: member indices [n], shared length
     kernel: decode_kernel.DecodeKernel | None = None  # set: decode through it, over `segments`
     segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -178,7 +188,8 @@ class _NativePlan:
                 rows.append(start)
             else:
                 prefix = kv_len - q_len
-                prefills.append((start, q_len, batch.slots(i)[:prefix] if prefix else None))
+                slots = batch.slots(i)
+                prefills.append((start, q_len, slots[:prefix] if prefix else None, slots))
             start += q_len
         if not decode_seqs:
             return _NativePlan(False, None, None, None, 0, num_kv_heads, prefills, [])

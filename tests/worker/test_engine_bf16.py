@@ -79,19 +79,48 @@ def test_smollm2_bf16_engine_picks_hfs_bf16_tokens(smollm2_bf16):
     sp = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     reqs = [GenerateRequest(f"q{i}", p, sp) for i, p in enumerate(prompts)]
     out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
-    exact = 0
-    for req, prompt in zip(reqs, prompts, strict=True):
-        got = out[req.request_id].token_ids
-        assert got
-        with torch.inference_mode():  # HF's logits for each position of the engine's text
-            ids = torch.tensor([prompt + got[:-1]])
-            logits = hf(ids).logits[0, len(prompt) - 1 :].float()
-        picked = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
-        gap = logits.max(-1).values - picked
-        assert float(gap.max()) <= TIE, (tok.decode(got), gap.tolist())
-        exact += int(bool((gap == 0).all()))
+    pairs = zip(reqs, prompts, strict=True)
+    exact = sum(hf_gap_ok(hf, tok, p, out[r.request_id].token_ids) for r, p in pairs)
     assert exact >= 1  # a near-tie is the exception: most answers are HF's token for token
     assert "Paris" in tok.decode(out[reqs[0].request_id].token_ids)
+    assert_idle(engine)
+
+
+def test_smollm2_bf16_long_prompt_and_a_cached_prefix_pick_hfs_tokens(smollm2_bf16):
+    """A prompt over 2k tokens (prefilled in chunks, each over the ones before), then two
+    questions behind it as a cached prefix, in one batch with a short prompt."""
+    path, hf, tok = smollm2_bf16
+    facts = " ".join(f"Item {i} is a {('red', 'blue')[i % 2]} box." for i in range(240))
+    long = chat(tok, facts + " What color is item 7?")
+    assert len(long) > 2000
+    engine = Engine(EngineConfig(model=path, dtype="bfloat16", kv_tokens=8192))
+    sp = SamplingParams(max_tokens=12, temperature=0.0)
+    first = GenerateRequest("long", long, sp)
+    out = run_to_completion(engine, [first], after_step=lambda e, s: e.check_integrity())
+    prompts = [chat(tok, facts + q) for q in (" What color is item 8?", " How many items?")]
+    prompts.append(chat(tok, QUESTIONS[0]))
+    reqs = [GenerateRequest(f"q{i}", p, sp) for i, p in enumerate(prompts)]
+    out |= run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
+    assert min(out[r.request_id].cached_tokens for r in reqs[:2]) > 2000  # the long prefix
+    for req, prompt in zip([first, *reqs], [long, *prompts], strict=True):
+        hf_gap_ok(hf, tok, prompt, out[req.request_id].token_ids)
+    assert_idle(engine)
+
+
+def hf_gap_ok(hf, tok, prompt: list[int], got: list[int]) -> bool:
+    """Asserts every token of `got` is HF's greedy pick after `prompt` up to `TIE`; returns
+    whether all were exactly HF's."""
+    assert got
+    with torch.inference_mode():  # HF's logits for each position of the engine's text
+        ids = torch.tensor([prompt + got[:-1]])
+        logits = hf(ids).logits[0, len(prompt) - 1 :].float()
+    picked = logits.gather(1, torch.tensor(got)[:, None])[:, 0]
+    gap = logits.max(-1).values - picked
+    assert float(gap.max()) <= TIE, (tok.decode(got), gap.tolist())
+    return bool((gap == 0).all())
+
+
+def assert_idle(engine: Engine) -> None:
     s = engine.stats()
     assert s.running == s.waiting == s.kv_protected == 0
     assert s.kv_free + s.kv_evictable == s.kv_total

@@ -31,7 +31,7 @@ def within_one_rounding(out, x, w, b) -> bool:
     return bool(((out.double() - exact).abs() <= step + drift).all())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 37, 64])
 @pytest.mark.parametrize(("out_features", "in_features"), [(200, 96), (64, 2), (130, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_linear_rounds_a_float32_sum_once(rows, out_features, in_features, bias):

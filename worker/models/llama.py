@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import worker.models.fused_ops as fused_ops
 from mem_cache.kv_pool import KVPool
 from worker.attention import AttentionBackend, AttentionBatch
 from worker.attention_backends import make_attention
@@ -36,6 +37,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    ops = fused_ops.serves(x) if x.dim() == 2 and x.is_contiguous() else None
+    if ops is not None:
+        return ops.rms_norm(x, weight, eps)
     x32 = x.to(torch.float32)
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -120,6 +124,11 @@ def pre_attention(
     """Input norm, fused q/k/v projection, optional per-head q/k norm, RoPE:
     x [T, hidden] -> q [T, H, D], k and v [T, KVH, D]."""
     qkv = linear(rms_norm(x, norm_w, eps), qkv_w, qkv_b)
+    ops = fused_ops.serves(qkv)
+    if ops is not None and q_norm_w is None and qkv.is_contiguous() and cos.is_contiguous():
+        q, k = ops.rope(qkv, num_heads, num_kv_heads, head_dim, cos, sin)
+        v = qkv[:, (num_heads + num_kv_heads) * head_dim :]
+        return q, k, v.reshape(-1, num_kv_heads, head_dim)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(-1, num_heads, head_dim)
@@ -144,6 +153,10 @@ def post_attention(
     eps: float,
 ) -> torch.Tensor:
     """Output projection and residual, post-attention norm, SwiGLU MLP and residual."""
+    ops = fused_ops.serves(x)
+    if ops is not None and x.is_contiguous():
+        x, h = ops.add_rms_norm(x, linear(attn, o_w, o_b), norm_w, eps)
+        return x + linear(ops.silu_mul(linear(h, gate_up_w, gate_up_b)), down_w, down_b)
     x = x + linear(attn, o_w, o_b)
     gate, up = linear(rms_norm(x, norm_w, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
     return x + linear(F.silu(gate) * up, down_w, down_b)

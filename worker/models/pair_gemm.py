@@ -10,8 +10,9 @@ sums in float32, one rounding to bfloat16 at the end. The sums run in the order 
 kernels take (pair after pair), so the outputs are oneDNN's bits but for a rare last-bit
 rounding (>= 99.9% of outputs the same in `bench/bench_linears.py`). Measured there on
 SmolLM2-135M's shapes (one thread, 30 layers' weights from memory): 1.5-2.3x oneDNN's packed
-linear at 1-4 rows (20-29 GB/s), 1.1-1.7x at 6-16; past that the work is arithmetic, the two
-even, and those sizes stay on oneDNN (`MAX_ROWS`).
+linear at 1-4 rows (20-29 GB/s), 1.1-1.7x at 6-16, 1.06-1.19x at 24-64 (where the work is
+arithmetic and both run near the core's bf16 peak); more rows (prefill chunks) stay on oneDNN
+(`MAX_ROWS`).
 
 Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
@@ -26,7 +27,7 @@ import torch
 
 import worker.models.c_library as c_library
 
-MAX_ROWS = 16  # up to this many rows a linear takes this kernel; more go to oneDNN
+MAX_ROWS = 64  # up to this many rows a linear takes this kernel; more go to oneDNN
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
 
 SOURCE = r"""

@@ -1,0 +1,123 @@
+"""The C prefill-attention kernel (`worker.prefill_kernel`): causal attention of a chunk over
+its cached prefix and itself, read from a bf16 pool by slot, against float64 attention; the
+native backend taking it for prefill chunks beside a decode batch; where it does not serve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import worker.attention_native as native
+from mem_cache.kv_pool import KVPool
+from worker import prefill_kernel
+from worker.attention import AttentionBatch
+from worker.attention_backends import make_attention
+
+BF16 = torch.bfloat16
+POOL = 3000
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = prefill_kernel.load()
+    if loaded is None:
+        pytest.skip("no AVX512-BF16 CPU or no C compiler: prefill runs torch's flash kernel")
+    return loaded
+
+
+def reference(q: torch.Tensor, k_buf, v_buf, slots: torch.Tensor) -> torch.Tensor:
+    """float64 causal attention, the mask aligned to the end: q [nq, H, D] over keys at slots."""
+    nq, heads, dim = q.shape
+    nk, group = slots.numel(), heads // k_buf.shape[1]
+    k = k_buf[slots].double().repeat_interleave(group, 1)
+    v = v_buf[slots].double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / math.sqrt(dim)
+    visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    nq=st.integers(1, 150),
+    prefix=st.sampled_from([0, 1, 31, 32, 33, 200]),
+    heads=st.sampled_from([(3, 3), (3, 1), (2, 4), (1, 8)]),
+    dim=st.sampled_from([64, 128]),
+    scale=st.sampled_from([0.5, 3.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_kernel_matches_float64_causal_attention(kernel, nq, prefix, heads, dim, scale, seed):
+    kvh, group = heads
+    gen = torch.Generator().manual_seed(seed)
+    k_buf = (torch.randn(POOL, kvh, dim, generator=gen) * scale).to(BF16)
+    v_buf = torch.randn(POOL, kvh, dim, generator=gen).to(BF16)
+    slots = torch.randperm(POOL, generator=gen)[: prefix + nq]  # scattered, as a pool hands out
+    q = torch.randn(nq, kvh * group, dim, generator=gen).to(BF16)
+    before = (k_buf.clone(), v_buf.clone())
+    out = kernel(q, k_buf, v_buf, slots)
+    # bfloat16 weights and output: within a few bf16 steps of the exact result
+    torch.testing.assert_close(out.double(), reference(q, k_buf, v_buf, slots), atol=1.5e-2,
+                               rtol=1.5e-2)  # fmt: skip
+    assert torch.equal(k_buf, before[0]) and torch.equal(v_buf, before[1])  # read only
+
+
+def mixed_batch(seed: int):
+    """A bf16 pool and a pass as the engine builds it: a chunk of 70 tokens over 130 cached
+    ones, a cold chunk of 45, two decoding sequences."""
+    gen = torch.Generator().manual_seed(seed)
+    kvh, dim, heads = 3, 64, 9
+    pool = KVPool(POOL, 1, kvh, dim, BF16)
+    pool.k_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    pool.v_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    perm = torch.randperm(POOL, generator=gen)
+    shapes = [(1, 60), (70, 200), (45, 45), (1, 9)]  # (new tokens, keys) per sequence
+    seq_slots, used = [], 0
+    for _, kv_len in shapes:
+        seq_slots.append(perm[used : used + kv_len])
+        used += kv_len
+    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
+    table = torch.zeros(len(shapes), max(kv_lens), dtype=torch.int64)
+    for i, s in enumerate(seq_slots):
+        table[i, : s.numel()] = s
+    mapping = torch.cat([s[s.numel() - n :] for s, n in zip(seq_slots, q_lens, strict=True)])
+    batch = AttentionBatch(q_lens, kv_lens, mapping, slot_table=table)
+    t = sum(q_lens)
+    q, k, v = (torch.randn(t, n, dim, generator=gen).to(BF16) for n in (heads, kvh, kvh))
+    return pool, batch, q, k, v
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_backend_takes_the_kernel_for_prefill_chunks(kernel, monkeypatch, seed):
+    calls = []
+    real = type(kernel).__call__
+
+    def spy(self, q, *args):
+        calls.append(q.shape[0])
+        return real(self, q, *args)
+
+    monkeypatch.setattr(type(kernel), "__call__", spy)
+    outs = {}
+    for name in ("torch", "native"):
+        pool, batch, q, k, v = mixed_batch(seed)
+        outs[name] = make_attention(name).forward(q, k, v, 0, batch, pool).double()
+    assert sorted(calls) == [45, 70]  # each prefill chunk, once; decodes elsewhere
+    torch.testing.assert_close(outs["native"], outs["torch"], atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_where_it_does_not_serve_prefill_runs_torchs_kernel(kernel, monkeypatch):
+    q = torch.zeros(4, 9, 64, dtype=BF16)
+    pool = torch.zeros(10, 3, 64, dtype=BF16)
+    assert prefill_kernel.supports(q, pool)
+    assert not prefill_kernel.supports(q.float(), pool.float())  # float32: HF's exact path
+    assert not prefill_kernel.supports(torch.zeros(4, 9, 80, dtype=BF16), torch.zeros(10, 3, 80))
+    assert not prefill_kernel.supports(q, pool.transpose(0, 1))  # not the pool's layout
+    monkeypatch.setattr(native.prefill_kernel, "load", lambda: None)
+    pool_, batch, q, k, v = mixed_batch(0)
+    out = native.NativeAttention().forward(q, k, v, 0, batch, pool_)
+    pool2, batch2, q2, k2, v2 = mixed_batch(0)
+    ref = make_attention("torch").forward(q2, k2, v2, 0, batch2, pool2)
+    torch.testing.assert_close(out.double(), ref.double(), atol=1.5e-2, rtol=1.5e-2)
