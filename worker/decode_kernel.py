@@ -29,10 +29,8 @@ import torch
 
 import worker.models.c_library as c_library
 
-SOURCE = r"""
-#include <stdint.h>
+SOURCE = c_library.BF16_SCALARS + c_library.AVX512_EXP + r"""
 #include <stdlib.h>
-#include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -40,37 +38,6 @@ SOURCE = r"""
 #define KB 32    /* keys per tile: the unit of scores, softmax and p @ V */
 #define QB 6     /* queries per register block (G = 3: a sequence's, or two sequences') */
 #define AHEAD 4  /* tiles between a slot's prefetch and its use */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float exp_f32(float x) {  /* Cephes expf: ~1 ulp */
-    x = x < -87.0f ? -87.0f : x;
-    float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float s;
-    memcpy(&s, &e, 4);
-    return y * s;
-}
 
 #ifdef __AVX512BF16__
 /* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
@@ -223,24 +190,6 @@ static void score_queries(int64_t nq, const uint32_t *const *qw, const uint32_t 
         default: score_block(6, q, kw, W, scale, o); break;
         }
     }
-}
-
-/* e^x on 16 floats (the Cephes polynomial of exp_f32, 2^n by scalef). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, n);
 }
 
 /* One row's online softmax over a tile: scores sc[0..nb) -> its weights, rounded to bfloat16
@@ -434,13 +383,6 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
 
-static inline float round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* Scores of the nq queries qf [nqp, D] (scaled, nqp a multiple of 4) against nb <= KB keys
    at slots sl, head h, into sc[i * KVS + j]; the keys' values, as float32, into vf [KB, D]. */

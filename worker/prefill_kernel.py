@@ -26,7 +26,7 @@ import worker.models.c_library as c_library
 
 ROWS = 48  # query rows (tokens x query heads of a KV head) per block, about
 
-SOURCE = r"""
+SOURCE = c_library.AVX512_EXP + r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,26 +37,6 @@ SOURCE = r"""
 
 static inline __m512 dp(__m512 acc, __m512i a, __m512i b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-/* e^x for x <= 0 (Cephes' polynomial; below -87 it is e^-87, a weight of ~1e-38) */
-static inline __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(
-        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
 /* Scores of 8 query rows (qw: [8][D2] pair words) against one packed key block (kw:
@@ -174,9 +154,9 @@ int prefill_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *
                                                                   _mm512_mask_mov_ps(lo, m1, s1)));
                     float m_new = mx[r] > bm ? mx[r] : bm;
                     __m512 mn = _mm512_set1_ps(m_new);
-                    __m512 e0 = _mm512_maskz_mov_ps(m0, exp_neg(_mm512_sub_ps(s0, mn)));
-                    __m512 e1 = _mm512_maskz_mov_ps(m1, exp_neg(_mm512_sub_ps(s1, mn)));
-                    corr[r] = _mm512_cvtss_f32(exp_neg(_mm512_set1_ps(mx[r] - m_new)));
+                    __m512 e0 = _mm512_maskz_mov_ps(m0, exp16(_mm512_sub_ps(s0, mn)));
+                    __m512 e1 = _mm512_maskz_mov_ps(m1, exp16(_mm512_sub_ps(s1, mn)));
+                    corr[r] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(mx[r] - m_new)));
                     sum[r] = sum[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
                     mx[r] = m_new;
                     /* the weights as bf16, in key order: word jp is keys 2jp, 2jp + 1 */
