@@ -21,10 +21,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import worker.attention_native as native
-from mem_cache.kv_pool import KVPool
 from tests.smollm2_env import require_smollm2_dir
+from tests.worker.attention_kit import pass_over, random_pool
 from worker import decode_kernel
-from worker.attention import AttentionBatch
 from worker.attention_backends import make_attention
 from worker.attention_native import MIN_SHARED, NativeAttention
 from worker.models import c_library
@@ -133,32 +132,21 @@ def shared_prefix_batch(seed: int, prefill: bool):
     """A bf16 pool, decoding sequences over one shared prefix (and one that shares nothing),
     optionally a prefill chunk in the same pass; the batch as the engine builds it."""
     gen = torch.Generator().manual_seed(seed)
-    kvh, dim, heads = 3, 64, 9
-    pool = KVPool(POOL, 1, kvh, dim, BF16)
-    pool.k_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
-    pool.v_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    pool = random_pool(gen, POOL, 3, 64, BF16)
     perm = torch.randperm(POOL, generator=gen)
     prefix = perm[: MIN_SHARED + 700]
-    shapes, seq_slots, used = [], [], prefix.numel()
+    seq_slots, q_lens, used = [], [], prefix.numel()
     for n in (5, 40, 1, 90):
         seq_slots.append(torch.cat([prefix, perm[used : used + n]]))
-        shapes.append((1, seq_slots[-1].numel()))
+        q_lens.append(1)
         used += n
     seq_slots.append(perm[used : used + 50])  # alone
-    shapes.append((1, 50))
+    q_lens.append(1)
     used += 50
     if prefill:  # a chunk of 20 new tokens over 30 cached ones
         seq_slots.insert(2, perm[used : used + 50])
-        shapes.insert(2, (20, 50))
-    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
-    table = torch.zeros(len(shapes), max(kv_lens) + 4, dtype=torch.int64)
-    for i, s in enumerate(seq_slots):
-        table[i, : s.numel()] = s
-    mapping = torch.cat([s[s.numel() - n :] for s, n in zip(seq_slots, q_lens, strict=True)])
-    batch = AttentionBatch(q_lens, kv_lens, mapping, slot_table=table)
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, n, dim, generator=gen).to(BF16) for n in (heads, kvh, kvh))
-    return pool, batch, q, k, v
+        q_lens.insert(2, 20)
+    return (pool, *pass_over(gen, seq_slots, q_lens, 9, pool))
 
 
 @pytest.mark.parametrize("prefill", [False, True])

@@ -12,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import worker.attention_native as native
-from mem_cache.kv_pool import KVPool
+from tests.worker.attention_kit import pass_over, random_pool
 from worker import prefill_kernel
-from worker.attention import AttentionBatch
 from worker.attention_backends import make_attention
 
 BF16 = torch.bfloat16
@@ -69,25 +68,12 @@ def mixed_batch(seed: int):
     """A bf16 pool and a pass as the engine builds it: a chunk of 70 tokens over 130 cached
     ones, a cold chunk of 45, two decoding sequences."""
     gen = torch.Generator().manual_seed(seed)
-    kvh, dim, heads = 3, 64, 9
-    pool = KVPool(POOL, 1, kvh, dim, BF16)
-    pool.k_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
-    pool.v_buffer[0].copy_(torch.randn(POOL, kvh, dim, generator=gen))
+    pool = random_pool(gen, POOL, 3, 64, BF16)
     perm = torch.randperm(POOL, generator=gen)
-    shapes = [(1, 60), (70, 200), (45, 45), (1, 9)]  # (new tokens, keys) per sequence
-    seq_slots, used = [], 0
-    for _, kv_len in shapes:
-        seq_slots.append(perm[used : used + kv_len])
-        used += kv_len
-    q_lens, kv_lens = [s[0] for s in shapes], [s[1] for s in shapes]
-    table = torch.zeros(len(shapes), max(kv_lens), dtype=torch.int64)
-    for i, s in enumerate(seq_slots):
-        table[i, : s.numel()] = s
-    mapping = torch.cat([s[s.numel() - n :] for s, n in zip(seq_slots, q_lens, strict=True)])
-    batch = AttentionBatch(q_lens, kv_lens, mapping, slot_table=table)
-    t = sum(q_lens)
-    q, k, v = (torch.randn(t, n, dim, generator=gen).to(BF16) for n in (heads, kvh, kvh))
-    return pool, batch, q, k, v
+    q_lens, kv_lens = [1, 70, 45, 1], [60, 200, 45, 9]
+    ends = torch.tensor(kv_lens).cumsum(0).tolist()
+    seq_slots = [perm[end - n : end] for end, n in zip(ends, kv_lens, strict=True)]
+    return (pool, *pass_over(gen, seq_slots, q_lens, 9, pool))
 
 
 @pytest.mark.parametrize("seed", [0, 1])
