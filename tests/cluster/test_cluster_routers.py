@@ -79,7 +79,11 @@ def test_replicas_are_router_actors_sharing_one_port(cluster):
 def test_a_sessions_turns_keep_their_worker_across_replicas(cluster):
     ports = [r["port"] for r in replicas(cluster)]
     session = f"s-{uuid.uuid4().hex[:8]}"
-    messages = [{"role": "user", "content": "Tell me about the sea and its long tides. " * 8}]
+    # A pin is this replica's own; the other replica finds the session's worker through its
+    # index of the workers' KV events. The prompt is long enough that the cached prefix
+    # outweighs the two workers' measured speeds, which vary a lot on a loaded machine (with
+    # ~160 tokens the other replica picked the other worker in 2 of 2 full CI runs).
+    messages = [{"role": "user", "content": "Tell me about the sea and its long tides. " * 60}]
     served = []
     for turn in range(4):
         url = f"http://127.0.0.1:{ports[turn % 2]}"
