@@ -185,7 +185,23 @@ class AllCleared:
     """Everything the worker had cached is gone (reset, restart, or the start of a snapshot)."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllCleared
+@dataclass(frozen=True, slots=True)
+class SessionHeld:
+    """The worker holds the KV of session `session_id` (parked, or in a running turn)."""
+
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReleased:
+    """The worker no longer holds session `session_id`'s KV (closed, expired, dropped)."""
+
+    session_id: str
+
+
+# A worker's events: what its cache stores and evicts, and which streaming sessions it holds
+# (so that every router replica, not only the one that routed a turn, can find a session).
+KVEvent = BlockStored | BlockRemoved | AllCleared | SessionHeld | SessionReleased
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +225,10 @@ def _encode_event(event: KVEvent) -> list:
         return [1, event.hashes, event.medium]
     if isinstance(event, AllCleared):
         return [2]
+    if isinstance(event, SessionHeld):
+        return [3, event.session_id]
+    if isinstance(event, SessionReleased):
+        return [4, event.session_id]
     raise TypeError(f"not a KV event: {event!r}")
 
 
@@ -220,6 +240,10 @@ def _decode_event(raw: list) -> KVEvent:
         return BlockRemoved(list(raw[1]), raw[2])
     if kind == 2:
         return AllCleared()
+    if kind in (3, 4):
+        if not isinstance(raw[1], str):
+            raise TypeError(f"session id {raw[1]!r} is not a string")
+        return SessionHeld(raw[1]) if kind == 3 else SessionReleased(raw[1])
     raise ValueError(f"unknown KV event kind {kind!r}")
 
 

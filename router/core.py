@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
-from mem_cache.events import AllCleared, decode_batch
+from mem_cache.events import AllCleared, KVEvent, SessionHeld, SessionReleased, decode_batch
 from router.affinity import AffinityRates
 from router.estimate import EstimateConfig, Estimator
 from router.load import Booking, LoadLedger
@@ -147,9 +147,20 @@ class RoutingCore:
         if step == GAP:
             return False
         if step == APPLY:
-            self.index.apply(batch_.worker_id, batch_.events)
+            self._apply(batch_.worker_id, batch_.events)
             worker.cursor = (batch_.epoch, batch_.seq)
         return True
+
+    def _apply(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+        """A worker's events, in order: blocks to the index, held sessions to the pins."""
+        self.index.apply(worker_id, events)
+        for event in events:
+            if isinstance(event, SessionHeld):
+                self.sessions.held(worker_id, event.session_id)
+            elif isinstance(event, SessionReleased):
+                self.sessions.released(worker_id, event.session_id)
+            elif isinstance(event, AllCleared):
+                self.sessions.forget_holdings(worker_id)
 
     def event_cursor(self, worker_id: str) -> tuple[int, int] | None:
         """(epoch, seq) of the worker's last applied batch; None until a snapshot arrived."""

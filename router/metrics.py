@@ -62,7 +62,9 @@ class RouterMetrics:
             "radixray_generation_tokens", "generated tokens", registry=r
         )
         self.index_blocks = Gauge("radixray_index_blocks", "blocks in the prefix index", registry=r)
-        self.sessions = Gauge("radixray_sessions", "open sessions", registry=r)
+        self.sessions = Gauge(
+            "radixray_sessions", "sessions this router pinned or a worker holds", registry=r
+        )
         self.kv_free = Gauge("radixray_worker_kv_free", "free KV slots", ["worker"], registry=r)
         self.running = Gauge("radixray_worker_running", "running requests", ["worker"], registry=r)
         self.waiting = Gauge("radixray_worker_waiting", "waiting requests", ["worker"], registry=r)

@@ -264,16 +264,22 @@ class Engine:
     # --- events, stats, integrity ---------------------------------------------------------------
 
     def take_event_batch(self) -> bytes | None:
-        """The cache's KV events since the last call as one numbered batch (None if none)."""
+        """The cache's KV events and the held sessions' changes since the last call as one
+        numbered batch (None if none)."""
         radix = self.memory.radix
-        return self.events.append(radix.take_events()) if radix is not None else None
+        events = radix.take_events() if radix is not None else []
+        running = [r.session_id for r in self.scheduler.running if r.session_id is not None]
+        events.extend(self.sessions.take_events(running))
+        return self.events.append(events)
 
     def snapshot_batch(self) -> bytes:
-        """AllCleared + every cached block, numbered like the latest batch (pending events are
-        drained into a batch first, so the snapshot reflects every batch up to its seq)."""
+        """AllCleared + every cached block and held session, numbered like the latest batch
+        (pending events are drained into a batch first, so the snapshot reflects every batch up
+        to its seq)."""
         self.take_event_batch()
         radix = self.memory.radix
-        return self.events.snapshot(radix.snapshot_events() if radix is not None else [])
+        cached = radix.snapshot_events() if radix is not None else []
+        return self.events.snapshot(cached + self.sessions.held_events())
 
     def events_since(self, epoch: int, after_seq: int) -> list[bytes]:
         """Batches of `epoch` with seq > after_seq, or [snapshot] when they are not buffered."""

@@ -76,18 +76,22 @@ def test_replicas_are_router_actors_sharing_one_port(cluster):
     assert seen == {str(r["pid"]) for r in rows}
 
 
-def test_a_sessions_turns_keep_their_worker_across_replicas(cluster):
+def test_a_sessions_turns_keep_their_worker_across_replicas(cluster, helpers):
     ports = [r["port"] for r in replicas(cluster)]
     session = f"s-{uuid.uuid4().hex[:8]}"
-    # A pin is this replica's own; the other replica finds the session's worker through its
-    # index of the workers' KV events. The prompt is long enough that the cached prefix
-    # outweighs the two workers' measured speeds, which vary a lot on a loaded machine (with
-    # ~160 tokens the other replica picked the other worker in 2 of 2 full CI runs).
-    messages = [{"role": "user", "content": "Tell me about the sea and its long tides. " * 60}]
+    # A pin is this replica's own; the other replica finds the session's worker through the
+    # workers' events (a worker publishes the sessions it holds from the first turn's first
+    # step). A short prompt, so that prefix affinity alone would not decide it: with ~160
+    # tokens, the measured speeds outweighed the cached prefix in 2 of 2 CI runs before that.
+    messages = [{"role": "user", "content": "Tell me about the sea and its long tides. " * 8}]
+    known = [sessions_known(port) for port in ports]
     served = []
     for turn in range(4):
         url = f"http://127.0.0.1:{ports[turn % 2]}"
         response, text = chat(url, messages, session)
+        if turn == 0:  # the replica that did not route it knows the session from its worker
+            helpers.wait_for(lambda: sessions_known(ports[1]) == known[1] + 1, 10,
+                             "the other replica to learn the session from its worker", 0.05)
         assert response.headers["x-radixray-router"] == str(replicas(cluster)[turn % 2]["pid"])
         served.append(response.headers["x-radixray-worker"])
         if turn > 0:  # the session's KV stayed on its worker: later turns reuse it
@@ -95,7 +99,19 @@ def test_a_sessions_turns_keep_their_worker_across_replicas(cluster):
         messages += [{"role": "assistant", "content": text},
                      {"role": "user", "content": f"And turn {turn}?"}]
     assert len(set(served)) == 1, served
-    httpx.delete(f"http://127.0.0.1:{ports[0]}/v1/sessions/{session}", timeout=30)
+    deleted = httpx.delete(f"http://127.0.0.1:{ports[0]}/v1/sessions/{session}", timeout=30)
+    assert deleted.json()["deleted"] is True
+    # the worker released it; both replicas forget it (the other one from the worker's event)
+    helpers.wait_for(lambda: [sessions_known(port) for port in ports] == known, 10,
+                     "both replicas to forget the closed session", 0.05)
+
+
+def sessions_known(port: int) -> int:
+    """The replica's `radixray_sessions` gauge: sessions it pinned or a worker reports."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return int(float(next(
+        line.split()[1] for line in text.splitlines() if line.startswith("radixray_sessions ")
+    )))
 
 
 BURST = 32

@@ -11,6 +11,8 @@ from mem_cache.events import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    SessionHeld,
+    SessionReleased,
     block_hashes,
     decode_batch,
     encode_batch,
@@ -73,6 +75,8 @@ def test_batch_round_trip_keeps_every_event():
         BlockStored([3], 2**64 - 1, "host"),
         BlockRemoved([2**64 - 1]),
         AllCleared(),
+        SessionHeld("chat-7"),
+        SessionReleased("chat-7"),
     ]
     batch = decode_batch(encode_batch("worker-3", 17, 42, events))
     assert (batch.worker_id, batch.epoch, batch.seq) == ("worker-3", 17, 42)
@@ -81,7 +85,14 @@ def test_batch_round_trip_keeps_every_event():
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb(["w", 1, 2, [[9]]])],
+    [
+        b"",
+        b"\xc1",
+        msgpack.packb([1, 2]),
+        msgpack.packb(["w", 1, 2, [[9]]]),
+        msgpack.packb(["w", 1, 2, [[3, 5]]]),  # a session id that is not a string
+        msgpack.packb(["w", 1, 2, [[4]]]),  # a session event without its id
+    ],
 )
 def test_malformed_batches_raise_value_error(data):
     with pytest.raises(ValueError):

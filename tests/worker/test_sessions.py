@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mem_cache.events import SessionHeld, SessionReleased, decode_batch
 from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest
@@ -91,4 +92,54 @@ def test_sessions_are_dropped_under_memory_pressure():
     assert big["big"].finish_reason == "length"
     for i in range(4):
         engine.close_session(f"s{i}")
+    assert_idle_clean(engine)
+
+
+def session_events(engine: Engine) -> list:
+    """The session events of every batch the engine published since the last call."""
+    events = []
+    for data in engine.events_since(engine.events.epoch, session_events.seen.get(engine, 0)):
+        batch = decode_batch(data)
+        session_events.seen[engine] = batch.seq
+        events += [e for e in batch.events if isinstance(e, SessionHeld | SessionReleased)]
+    return events
+
+
+session_events.seen = {}
+
+
+def test_the_engine_tells_the_routers_which_sessions_it_holds():
+    engine = make(prefill_budget=16)
+    p1 = prompt(40, 7)
+    t1 = turn(engine, "t1", p1)
+    assert session_events(engine) == [SessionHeld("s")]  # parked after its first turn
+    # the next turn takes the parked KV and runs for several steps: still held, no flicker
+    engine.add_request(GenerateRequest("t2", p1 + t1.token_ids + [5, 6], greedy(8), session_id="s"))
+    engine.step()
+    assert session_events(engine) == []
+    run_to_completion(engine, after_step=checked)
+    assert session_events(engine) == []
+    # a snapshot (a router that joins late, or missed batches) lists the held sessions
+    snapshot = decode_batch(engine.events_since(-1, -1)[0]).events
+    assert SessionHeld("s") in snapshot
+    assert engine.close_session("s")
+    engine.take_event_batch()
+    assert session_events(engine) == [SessionReleased("s")]
+    assert SessionHeld("s") not in decode_batch(engine.events_since(-1, -1)[0]).events
+    assert_idle_clean(engine)
+
+
+def test_an_aborted_or_expired_session_is_released_to_the_routers():
+    engine = make(prefill_budget=16)
+    p1 = prompt(40, 8)
+    t1 = turn(engine, "t1", p1)
+    turn(engine, "u1", prompt(30, 9), session="u", session_ttl_s=0.05)
+    assert session_events(engine) == [SessionHeld("s"), SessionHeld("u")]
+    engine.add_request(GenerateRequest("t2", p1 + t1.token_ids + [5, 6], greedy(8), session_id="s"))
+    engine.step()
+    engine.abort("t2")  # the turn held the session's KV and gives it back
+    time.sleep(0.06)
+    run_to_completion(engine, after_step=checked)  # its steps expire "u" too
+    assert sorted(session_events(engine), key=repr) == [SessionReleased("s"), SessionReleased("u")]
+    assert engine.stats().sessions == 0
     assert_idle_clean(engine)
