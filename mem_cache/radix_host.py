@@ -362,11 +362,12 @@ class HostMemoryTier(HostTier):
         values = [n.host_value for n in nodes if n.host_value is not None]
         pages = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
         assert len(pages) * self.page_size == self._size, "host sizes: host_size drifted"
-        assert len(np.unique(pages)) == len(pages), "host slots: a host page owned by two nodes"
         slots = pages_to_slots(pages, self.page_size)
-        assert not np.isin(slots, self.allocator.free_slot_ids()).any(), (
-            "host slots: a tree slot is free"
-        )
+        size = self.allocator.size  # counts per slot: linear in the pool (see check_slots)
+        owners = np.bincount(slots, minlength=size)
+        assert owners.max(initial=0) <= 1, "host slots: a host page owned by two nodes"
+        freed = np.bincount(self.allocator.free_slot_ids(), minlength=size)
+        assert not (owners[:size] & freed[:size]).any(), "host slots: a tree slot is free"
 
     def _check_node(self, node: TreeNode) -> None:
         parent = node.parent

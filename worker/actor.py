@@ -139,7 +139,8 @@ class WorkerActor:
             self.engine.take_event_batch()  # calls (close_session...) may have changed the cache
             if self.engine.has_work():
                 try:
-                    self._deliver(self.engine.step())
+                    self._deliver(self.engine.step(settle=False))
+                    self.engine.settle_if_idle()  # after the chunks are on their way
                 except Exception as exc:
                     self._fail(exc)
                     return

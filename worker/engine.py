@@ -170,10 +170,12 @@ class Engine:
 
     # --- stepping ------------------------------------------------------------------------------
 
-    def step(self) -> list[TokenChunk]:
+    def step(self, settle: bool = True) -> list[TokenChunk]:
         """One scheduler step: a chunk for every request that got a token or finished (a
         request part-way through a chunked prefill gets none), plus pending abort chunks.
-        Checks integrity whenever the engine goes idle."""
+        When the engine goes idle it settles (`settle_if_idle`) before returning, unless
+        `settle` is False: then the caller settles once it has handed the chunks on, so the
+        check (O(pool size)) never delays a request's last chunk."""
         chunks, self._pending = self._pending, []
         self.expire_sessions()
         batch = self.scheduler.schedule()
@@ -181,11 +183,18 @@ class Engine:
             chunks.extend(self._run(batch))
         self.take_event_batch()
         self.num_steps += 1
-        if not self.has_work():
-            if self.memory.radix is not None:
-                self.memory.radix.flush()  # copies to host in flight hold device locks
-            self.check_integrity()
+        if settle:
+            self.settle_if_idle()
         return chunks
+
+    def settle_if_idle(self) -> None:
+        """With no work left: finish the copies to host in flight (they hold device locks),
+        then check every KV slot's ownership (`check_integrity`)."""
+        if self.has_work():
+            return
+        if self.memory.radix is not None:
+            self.memory.radix.flush()
+        self.check_integrity()
 
     def _run(self, batch: ScheduledBatch) -> list[TokenChunk]:
         started = time.perf_counter()

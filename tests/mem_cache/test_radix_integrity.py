@@ -66,6 +66,10 @@ def corrupt_shared_slot(cache: RadixCache, alloc: KVAllocator, n: dict) -> None:
     n["C"].value = n["B"].value.copy()
 
 
+def corrupt_free_twice(cache: RadixCache, alloc: KVAllocator, n: dict) -> None:
+    alloc._free_pages[1] = alloc._free_pages[0]
+
+
 def corrupt_unaligned_key(cache: RadixCache, alloc: KVAllocator, n: dict) -> None:
     n["C"].key = n["C"].key + np.int64(9).tobytes()
 
@@ -102,8 +106,9 @@ CASES: list[tuple[Callable, str]] = [
     (corrupt_lost_candidate, "eviction"),
     (corrupt_root_candidate, "eviction"),
     (corrupt_view_value, "values"),
-    (corrupt_slot_also_free, "slots"),
-    (corrupt_shared_slot, "slots"),
+    (corrupt_slot_also_free, "slots: a tree slot is also free"),
+    (corrupt_shared_slot, "slots: a slot is owned by two nodes"),
+    (corrupt_free_twice, "slots: a slot is free twice"),
     (corrupt_unaligned_key, "page alignment"),
     (corrupt_parent_pointer, "structure"),
     (corrupt_block_hash, "events"),

@@ -194,6 +194,28 @@ def test_events_number_batches_and_snapshot_lists_every_cached_block():
     assert len(stale) == 1 and isinstance(decode_batch(stale[0]).events[0], AllCleared)
 
 
+def test_going_idle_settles_in_step_or_when_the_caller_says(monkeypatch):
+    """The worker actor steps with settle=False and settles once the chunks are handed on, so
+    the O(pool) integrity check never delays a last token; step() alone still settles."""
+    engine = make()
+    checks = []
+    monkeypatch.setattr(engine, "check_integrity", lambda: checks.append(engine.has_work()))
+    engine.add_request(GenerateRequest("a", [1, 2, 3, 4], greedy(2)))
+    chunks = []
+    while engine.has_work():
+        chunks += engine.step(settle=False)
+        assert checks == []
+    assert chunks[-1].finish_reason == "length"
+    engine.settle_if_idle()
+    assert checks == [False]  # checked once, idle
+    engine.add_request(GenerateRequest("b", [1, 2, 3, 4], greedy(2)))
+    engine.settle_if_idle()  # work queued: nothing to settle
+    assert checks == [False]
+    while engine.has_work():
+        engine.step()
+    assert checks == [False, False]
+
+
 def test_stats_report_load_and_kv_accounting():
     engine = make(prefill_budget=16)
     for i, p in enumerate(prompts(3, 40)):
