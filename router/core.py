@@ -78,6 +78,7 @@ class RoutingCore:
         self.estimator = Estimator(self.config.estimate)
         self.index = PrefixIndex(self.config.index, clock)
         self.sessions = SessionTable(self.config.sessions, clock)
+        self._stale_sessions: list[tuple[str, str]] = []  # (worker id, session id) to close
         self.ledger = LoadLedger()
         self.affinity = AffinityRates(self.config.estimate.affinity_window_s)
         self.registry = registry or WorkerRegistry(EngineShape(block_size=self.config.block_size))
@@ -152,15 +153,25 @@ class RoutingCore:
         return True
 
     def _apply(self, worker_id: str, events: Sequence[KVEvent]) -> None:
-        """A worker's events, in order: blocks to the index, held sessions to the pins."""
+        """A worker's events, in order: blocks to the index, held sessions to the pins (a
+        session that moved here leaves stale copies elsewhere: `take_stale_sessions`)."""
         self.index.apply(worker_id, events)
+        moved = not is_snapshot(events)  # a snapshot re-lists what the worker holds
         for event in events:
             if isinstance(event, SessionHeld):
-                self.sessions.held(worker_id, event.session_id)
+                for other in self.sessions.held(worker_id, event.session_id, moved):
+                    self._stale_sessions.append((other, event.session_id))
             elif isinstance(event, SessionReleased):
                 self.sessions.released(worker_id, event.session_id)
             elif isinstance(event, AllCleared):
                 self.sessions.forget_holdings(worker_id)
+
+    def take_stale_sessions(self) -> list[tuple[str, str]]:
+        """(worker id, session id) of session copies left behind since the last call: the
+        session's turns run on another worker now. Closing them there frees their protected
+        KV (it stays cached, evictable); nothing else would before their TTL."""
+        stale, self._stale_sessions = self._stale_sessions, []
+        return stale
 
     def event_cursor(self, worker_id: str) -> tuple[int, int] | None:
         """(epoch, seq) of the worker's last applied batch; None until a snapshot arrived."""

@@ -75,9 +75,17 @@ class SessionTable:
         self._pins[session_id] = _Pin(worker_id, now + self.config.ttl_s, now)
         self.expire()
 
-    def held(self, worker_id: str, session_id: str) -> None:
-        """The worker reports holding the session's KV (a `SessionHeld` event)."""
-        self._held.setdefault(session_id, {})[worker_id] = self._clock()
+    def held(self, worker_id: str, session_id: str, moved: bool = False) -> list[str]:
+        """The worker reports holding the session's KV (a `SessionHeld` event). With `moved`
+        (the report of a live batch: a worker reports a session when a turn of it starts
+        there, so the session has just moved to it), the other holders' copies are stale:
+        their reports are dropped and their ids returned, for the caller to close there."""
+        holders = self._held.setdefault(session_id, {})
+        stale = [w for w in holders if w != worker_id] if moved else []
+        for other in stale:
+            del holders[other]
+        holders[worker_id] = self._clock()
+        return stale
 
     def released(self, worker_id: str, session_id: str) -> None:
         """The worker reports dropping the session's KV (a `SessionReleased` event): closed

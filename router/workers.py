@@ -100,7 +100,20 @@ class WorkerSync:
         for batch in batches:
             if not self.core.apply_events(batch):
                 self.registry[worker_id].cursor = None
-                return
+                break
+        for stale_id, session_id in self.core.take_stale_sessions():
+            stale = self._live(stale_id)
+            if stale is not None:
+                self._spawn(self._close_stale(stale, session_id))
+
+    async def _close_stale(self, backend: Backend, session_id: str) -> None:
+        """Frees a session's copy on a worker its turns left (each replica may send it: the
+        second close finds nothing)."""
+        try:
+            await asyncio.wait_for(backend.close_session(session_id), _CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the copy expires with its TTL anyway
+            log.info("closing the stale copy of session %s on %s: %r",
+                     session_id, backend.worker_id, exc)
 
     async def poll_stats(self, worker_id: str) -> None:
         backend = self._live(worker_id)

@@ -100,11 +100,11 @@ class FakeWorker(Backend):
                 new.append(h)
             parent = h
         if new:
-            self.seq += 1
-            batch = encode_batch(
-                self.worker_id, self.epoch, self.seq, [BlockStored(new, first_parent)]
-            )
-            self.batches.append((self.seq, batch))
+            self._publish([BlockStored(new, first_parent)])
+
+    def _publish(self, events: list) -> None:
+        self.seq += 1
+        self.batches.append((self.seq, encode_batch(self.worker_id, self.epoch, self.seq, events)))
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         self._alive()

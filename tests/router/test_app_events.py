@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker  # noqa: E402
 
-from mem_cache.events import block_hashes  # noqa: E402
+from mem_cache.events import SessionHeld, block_hashes  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.core import RoutingCore  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
@@ -90,3 +90,25 @@ def test_polling_loop_marks_a_dead_worker_and_refreshes_stats():
 
     asyncio.run(run())
 
+
+
+def test_a_session_that_moved_is_closed_on_the_worker_it_left():
+    """w0 held the session; a turn of it starts on w1 (another replica moved it): the router
+    closes w0's stale copy, whose protected KV would otherwise wait for its TTL."""
+
+    async def run():
+        w0, w1 = FakeWorker("w0"), FakeWorker("w1")
+        reg = registry()
+        await reg.join([w0, w1])
+        w0.sessions.add("s")
+        w0._publish([SessionHeld("s")])
+        await reg.poll_events("w0")
+        assert reg.core.sessions.get("s") == "w0" and "s" in w0.sessions
+        w1.sessions.add("s")
+        w1._publish([SessionHeld("s")])
+        await reg.poll_events("w1")
+        await asyncio.gather(*reg._pending)
+        assert "s" not in w0.sessions and "s" in w1.sessions
+        assert reg.core.sessions.get("s") == "w1"
+
+    asyncio.run(run())

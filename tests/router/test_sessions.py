@@ -171,7 +171,7 @@ def test_a_snapshot_or_a_removed_worker_voids_its_holdings() -> None:
 # one step on a table: (op, session, worker, seconds to advance first)
 steps = st.lists(
     st.tuples(
-        st.sampled_from(["pin", "held", "released", "forget", "close", "drop"]),
+        st.sampled_from(["pin", "held", "moved", "released", "forget", "close", "drop"]),
         st.sampled_from(["s0", "s1", "s2"]),
         st.sampled_from(["w0", "w1", "w2"]),
         st.sampled_from([0.0, 0.5, 3.0]),
@@ -197,8 +197,12 @@ def test_the_table_answers_like_a_model_of_pins_and_holdings(ops) -> None:
             table.pin(sid, wid)
             pins[sid] = (wid, now)
         elif op == "held":
-            table.held(wid, sid)
+            assert table.held(wid, sid) == []
             held.setdefault(sid, {})[wid] = now
+        elif op == "moved":  # a live batch's report: the other holders' copies are stale
+            others = sorted(w for w in held.get(sid, {}) if w != wid)
+            assert sorted(table.held(wid, sid, moved=True)) == others
+            held[sid] = {wid: now}
         elif op == "released":
             table.released(wid, sid)
             held.get(sid, {}).pop(wid, None)
@@ -227,3 +231,14 @@ def test_the_table_answers_like_a_model_of_pins_and_holdings(ops) -> None:
                     expected = worker
             assert table.get(s) == expected
         assert len(table) == len(set(pins) | set(held))
+
+
+def test_a_session_that_moves_leaves_its_old_copy_to_be_closed() -> None:
+    core = make_core(Clock(), workers=2)
+    core.apply_events(encode_batch("w0", 1, 0, [AllCleared(), SessionHeld("s")]))
+    core.apply_events(encode_batch("w1", 1, 0, [AllCleared(), SessionHeld("s")]))
+    assert core.take_stale_sessions() == []  # snapshots re-list holdings: nothing moved
+    core.apply_events(encode_batch("w1", 1, 1, [SessionHeld("t")]))
+    core.apply_events(encode_batch("w0", 1, 1, [SessionHeld("t")]))  # t's turn now runs on w0
+    assert core.take_stale_sessions() == [("w1", "t")] and core.take_stale_sessions() == []
+    assert core.sessions.get("t") == "w0"
