@@ -144,19 +144,20 @@ class RoutingCore:
         worker = self.registry.get(batch_.worker_id)
         if worker is None or worker.state == DEAD:
             return True  # a worker not (or no longer) routed to: nothing to apply
-        step = next_batch(worker.cursor, batch_.epoch, batch_.seq, is_snapshot(batch_.events))
+        snapshot = is_snapshot(batch_.events)
+        step = next_batch(worker.cursor, batch_.epoch, batch_.seq, snapshot)
         if step == GAP:
             return False
         if step == APPLY:
-            self._apply(batch_.worker_id, batch_.events)
+            self._apply(batch_.worker_id, batch_.events, snapshot)
             worker.cursor = (batch_.epoch, batch_.seq)
         return True
 
-    def _apply(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+    def _apply(self, worker_id: str, events: Sequence[KVEvent], snapshot: bool) -> None:
         """A worker's events, in order: blocks to the index, held sessions to the pins (a
         session that moved here leaves stale copies elsewhere: `take_stale_sessions`)."""
         self.index.apply(worker_id, events)
-        moved = not is_snapshot(events)  # a snapshot re-lists what the worker holds
+        moved = not snapshot  # a snapshot re-lists what the worker holds
         for event in events:
             if isinstance(event, SessionHeld):
                 for other in self.sessions.held(worker_id, event.session_id, moved):

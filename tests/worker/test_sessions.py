@@ -95,17 +95,17 @@ def test_sessions_are_dropped_under_memory_pressure():
     assert_idle_clean(engine)
 
 
+_read_up_to: dict[Engine, int] = {}  # the last batch seq session_events read, per engine
+
+
 def session_events(engine: Engine) -> list:
     """The session events of every batch the engine published since the last call."""
     events = []
-    for data in engine.events_since(engine.events.epoch, session_events.seen.get(engine, 0)):
+    for data in engine.events_since(engine.events.epoch, _read_up_to.get(engine, 0)):
         batch = decode_batch(data)
-        session_events.seen[engine] = batch.seq
+        _read_up_to[engine] = batch.seq
         events += [e for e in batch.events if isinstance(e, SessionHeld | SessionReleased)]
     return events
-
-
-session_events.seen = {}
 
 
 def test_the_engine_tells_the_routers_which_sessions_it_holds():
