@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--prefill-budget", type=int, default=512)
     parser.add_argument("--attention", default="native", help="attention backend")
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
+    parser.add_argument("--overlap", action="store_true",
+                        help="schedule each step during the previous pass (EngineConfig.overlap)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the engine's and HF's dtype")
     # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
@@ -233,6 +235,7 @@ def main() -> None:
         prefill_budget=args.prefill_budget,
         attention=args.attention,
         compile=args.compile,
+        overlap=args.overlap,
         dtype=args.dtype,
         seed=0,
     )
@@ -241,7 +244,7 @@ def main() -> None:
     print(
         f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
         f"prefill budget {args.prefill_budget}, attention {args.attention}, "
-        f"compile {args.compile}, dtype {args.dtype}",
+        f"compile {args.compile}, overlap {args.overlap}, dtype {args.dtype}",
         flush=True,
     )
     ttft(engine, "warmup", random_prompt(64, 0, vocab))

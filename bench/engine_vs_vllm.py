@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -116,7 +117,8 @@ def start_radixray(args: argparse.Namespace, model_dir: str, port: int, log) -> 
     kv_tokens = int(args.kv_gib * (1 << 30) // per_token)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--workers", "1",
            "--cpus-per-worker", str(args.threads), "--num-cpus", str(args.threads + 1),
-           "--kv-tokens", str(kv_tokens), "--port", str(port), "--dtype", args.dtype]
+           "--kv-tokens", str(kv_tokens), "--port", str(port), "--dtype", args.dtype,
+           *args.radixray_args]
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
@@ -262,6 +264,9 @@ def main() -> int:
                         help="rounds of both engines, the order swapped each round; the "
                         "figures printed are each one's median (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without compiling")
+    parser.add_argument("--radixray-args", type=shlex.split, default=[], metavar="ARGS",
+                        help="more flags for `radixray serve`, in one quoted string, e.g. "
+                        "\"--overlap\"")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="both engines' dtype (default: %(default)s, vLLM's own on a "
                         "float32 checkpoint)")

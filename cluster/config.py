@@ -66,6 +66,8 @@ class ClusterConfig:
     # float16.
     dtype: str | None = None
     attention: str = "native"  # attention backend of the engine (worker.attention)
+    compile: bool = False  # torch.compile the engine's layers (`EngineConfig.compile`)
+    overlap: bool = False  # schedule step N+1 during step N's pass (`EngineConfig.overlap`)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"

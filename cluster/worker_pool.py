@@ -68,6 +68,8 @@ def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConf
         device=device,
         dtype=config.dtype,
         attention=config.attention,
+        compile=config.compile,
+        overlap=config.overlap,
         kv_tokens=config.kv_tokens,
         page_size=config.page_size,
         block_size=config.block_size,

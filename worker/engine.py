@@ -2,13 +2,24 @@
 
 `add_request` queues a request (ValueError if it is bad); each `step()` runs one scheduler step
 through the model and returns a `TokenChunk` for every request that got tokens or finished.
-Single-threaded: the caller (the actor's engine thread) serializes all calls.
+The caller (the actor's engine thread) serializes all calls.
+
+Overlap mode (`EngineConfig.overlap`): the forward pass runs in a thread of its own, and the
+CPU work around it runs meanwhile. `step()` schedules and prepares batch N+1 while the pass of
+batch N runs (a request whose token N samples gets a placeholder, filled in once known), then
+waits for N, samples it, launches N+1 and does N's bookkeeping (finishing, chunks, events)
+while N+1 runs; the caller delivers N's chunks meanwhile too. A slot a pass in flight reads or
+writes keeps its owner until the pass ends: nothing is retracted while a pass runs (a request
+that does not fit waits for the next step, which schedules after the pass), and an abort of a
+request in the pass takes effect when the pass ends. A request that finished in N was
+scheduled into N+1 before that was known: it is dropped from N+1 before launch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +28,7 @@ from mem_cache.kv_pool import ReqToTokenPool
 from worker.compiled import compile_model
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, PassInputs
 from worker.models.loader import resolve_dtype
 from worker.models.packed import pack_linears
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
@@ -55,6 +66,9 @@ class EngineConfig:
     # CPU bfloat16/float16: linears through oneDNN with weights packed once at load (the same
     # bits, faster at decode sizes; see worker.models.packed), eager and compiled
     pack_weights: bool = True
+    # schedule step N+1 while the forward pass of step N runs (module docstring); off by
+    # default: on a CPU the scheduling is a few % of a step (docs/engine.md)
+    overlap: bool = False
 
     def validate(self) -> None:
         """ValueError naming the first knob out of range."""
@@ -68,6 +82,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (or None)")
         if self.host_kv_tokens < 0 or not self.session_ttl_s > 0:
             raise ValueError("host_kv_tokens must be >= 0 and session_ttl_s > 0")
+
+
+@dataclass
+class _InFlight:
+    """A forward pass running in the forward thread (overlap mode)."""
+
+    batch: ScheduledBatch
+    sampled: list[Request]  # each holds placeholder -1 - i until the pass ends
+    future: Future  # -> (logits, seconds)
+    aborts: list[str] = field(default_factory=list)  # aborted meanwhile: applied at the end
 
 
 class Engine:
@@ -115,7 +139,14 @@ class Engine:
             config.seed if config.seed is not None else torch.seed() & 0xFFFFFFFF
         )
         self._requests: dict[str, Request] = {}
-        self._pending: list[TokenChunk] = []  # abort chunks for the next step()
+        self._pending: list[TokenChunk] = []  # chunks for the next step() to return
+        self._forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix=f"{worker_id}-forward")
+            if config.overlap
+            else None
+        )
+        self._inflight: _InFlight | None = None
+        self._sync_next = False  # a request did not fit: schedule after the pass in flight
         self._prefill_tps = 0.0
         self._decode_step_s = 0.0
         self.num_steps = 0
@@ -146,12 +177,21 @@ class Engine:
         """Stop a request at any stage; its last chunk (finish_reason "abort") comes with the
         next step(). Unknown or finished ids are ignored."""
         req = self._requests.get(request_id)
-        if req is not None:
-            self._finish(req, "abort")
-            self._pending.append(self._chunk(req))
+        if req is None:
+            return
+        if self._inflight is not None and req in self._inflight.batch.requests:
+            self._inflight.aborts.append(request_id)  # its slots are in use until the pass ends
+            return
+        self._finish(req, "abort")
+        self._pending.append(self._chunk(req))
+
+    @property
+    def in_flight(self) -> list[Request]:
+        """The requests of the forward pass running now (overlap mode; else none)."""
+        return list(self._inflight.batch.requests) if self._inflight is not None else []
 
     def has_work(self) -> bool:
-        return bool(self._requests or self._pending)
+        return bool(self._requests or self._pending or self._inflight)
 
     def close_session(self, session_id: str) -> bool:
         """Release a parked session's KV; False when there is none."""
@@ -176,11 +216,14 @@ class Engine:
         When the engine goes idle it settles (`settle_if_idle`) before returning, unless
         `settle` is False: then the caller settles once it has handed the chunks on, so the
         check (O(pool size)) never delays a request's last chunk."""
-        chunks, self._pending = self._pending, []
         self.expire_sessions()
-        batch = self.scheduler.schedule()
-        if batch:
-            chunks.extend(self._run(batch))
+        if self._forward_thread is not None:
+            self._step_overlapped()
+        else:
+            batch = self.scheduler.schedule()
+            if batch:
+                self._run(batch)
+        chunks, self._pending = self._pending, []
         self.take_event_batch()
         self.num_steps += 1
         if settle:
@@ -196,23 +239,95 @@ class Engine:
             self.memory.radix.flush()
         self.check_integrity()
 
-    def _run(self, batch: ScheduledBatch) -> list[TokenChunk]:
+    def _run(self, batch: ScheduledBatch) -> None:
         started = time.perf_counter()
         logits, sampled = self.runner.forward(batch, self.memory.rows.req_to_token)
-        prefill = 0
+        self._computed(batch)
+        prefill = self._cache_chunks(batch)
+        if sampled:
+            self._sample(logits, sampled)
+        self._measure(time.perf_counter() - started, prefill)
+
+    def _computed(self, batch: ScheduledBatch) -> None:
         self.num_computed_tokens += sum(batch.num_new)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             req.num_computed += n
+
+    def _cache_chunks(self, batch: ScheduledBatch) -> int:
+        """Hand the prefill chunks the pass computed to the cache; returns their tokens."""
+        prefill = 0
+        for req, n in zip(batch.requests, batch.num_new, strict=True):
             if n > 1:
                 prefill += n
+                req.prefill_in_flight = False
                 self.memory.cache(req)  # finished chunks become shareable at once
-        chunks = self._sample(logits, sampled) if sampled else []
-        self._measure(time.perf_counter() - started, prefill)
-        return chunks
+        return prefill
 
-    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> list[TokenChunk]:
+    # --- overlap mode (module docstring) -------------------------------------------------------
+
+    def _step_overlapped(self) -> None:
+        if self._inflight is not None and self._sync_next:
+            self._complete()
+        rows = self.memory.rows.req_to_token
+        batch = self.scheduler.schedule(may_preempt=self._inflight is None)
+        self._sync_next = batch.short_of_memory
+        inputs = self.runner.prepare(batch, rows) if batch else None
+        if self._inflight is not None:
+            had_prefill, sampled_ids = self._complete()
+            live = [i for i, r in enumerate(batch.requests) if r.status is Status.RUNNING]
+            if len(live) < len(batch) or had_prefill:
+                # requests finished (or chunks were cached: rows changed): prepare again
+                batch = ScheduledBatch(
+                    [batch.requests[i] for i in live], [batch.num_new[i] for i in live]
+                )
+                inputs = self.runner.prepare(batch, rows) if batch else None
+            elif inputs is not None:
+                self.runner.resolve(inputs, sampled_ids)
+        if inputs is not None:
+            self._launch(batch, inputs)
+
+    def _launch(self, batch: ScheduledBatch, inputs: PassInputs) -> None:
+        self._computed(batch)
+        for req, n in zip(batch.requests, batch.num_new, strict=True):
+            req.prefill_in_flight = n > 1
+        for i, req in enumerate(inputs.sampled):
+            if not self._last_token(req):  # else nothing to schedule after it
+                req.tokens.append(-1 - i)
+        future = self._forward_thread.submit(self._timed_forward, inputs)
+        self._inflight = _InFlight(batch, inputs.sampled, future)
+
+    def _timed_forward(self, inputs: PassInputs) -> tuple[torch.Tensor, float]:
+        started = time.perf_counter()
+        logits = self.runner.run(inputs)
+        return logits, time.perf_counter() - started
+
+    def _complete(self) -> tuple[bool, torch.Tensor]:
+        """Wait for the pass in flight and apply it: cache its chunks, apply the aborts that
+        came meanwhile, sample the rest, finish. Returns whether it had prefill chunks, and the
+        tokens sampled (placeholder -1 - i stands for the i-th)."""
+        inflight, self._inflight = self._inflight, None
+        logits, seconds = inflight.future.result()
+        for req in inflight.sampled:
+            if req.tokens[-1] < 0:  # its placeholder (token ids are >= 0)
+                req.tokens.pop()
+        prefill = self._cache_chunks(inflight.batch)
+        for request_id in inflight.aborts:  # nothing in flight now: they take effect at once
+            self.abort(request_id)
+        sampled = inflight.sampled
+        keep = [i for i, req in enumerate(sampled) if req.status is Status.RUNNING]
+        ids = torch.zeros(len(sampled), dtype=torch.int64)  # an aborted request's: unused
+        if keep:
+            rows = logits if len(keep) == len(sampled) else logits[keep]
+            ids[keep] = torch.tensor(self._sample(rows, [sampled[i] for i in keep]))
+        self._measure(seconds, prefill)
+        return prefill > 0, ids
+
+    # --- sampling and finishing ------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Request]) -> list[int]:
+        """Append a token to each sampled request, finish those that are done, queue their
+        chunks; returns the tokens."""
         result = sample(logits, sampled, self.eos_token_ids, self.generator)
-        chunks = []
         for i, req in enumerate(sampled):
             token = result.token_ids[i]
             req.tokens.append(token)
@@ -222,8 +337,8 @@ class Engine:
             reason = self._finish_reason(req, token)
             if reason is not None:
                 self._finish(req, reason)
-            chunks.append(self._chunk(req))
-        return chunks
+            self._pending.append(self._chunk(req))
+        return result.token_ids
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in stop_ids(req, self.eos_token_ids):  # banned below min_tokens
@@ -231,6 +346,11 @@ class Engine:
         if req.num_output >= req.sampling.max_tokens or len(req.tokens) >= self.max_context:
             return "length"
         return None
+
+    def _last_token(self, req: Request) -> bool:
+        """Whether the token the request samples next is its last, whatever it is."""
+        after = len(req.tokens) + 1
+        return after - req.num_input >= req.sampling.max_tokens or after >= self.max_context
 
     def _finish(self, req: Request, reason: str) -> None:
         """A request ends: a session turn parks its KV, anything else releases it."""
@@ -326,6 +446,8 @@ class Engine:
         self.memory.check(self.scheduler.running)
         for req in self.scheduler.waiting:
             assert req.row is None and req.alloc_len == 0, f"{req.request_id}: waiting with KV"
+        for req in self.in_flight:  # a pass in flight uses its requests' slots
+            assert req.status is Status.RUNNING, f"{req.request_id}: in flight, not running"
 
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:

@@ -136,19 +136,24 @@ class KVMemory:
     # --- sessions ----------------------------------------------------------------------------
 
     def park(self, req: Request, ttl_s: float) -> None:
-        """A session turn ends: its KV moves from the request to the session, as is (the lock
-        on the tree prefix and the tail pages), so the next turn can continue from it."""
+        """A session turn ends: its KV moves from the request to the session (the lock on the
+        tree prefix and the tail pages that hold computed tokens), so the next turn can
+        continue from it."""
         assert req.session_id is not None and req.row is not None
         old = self.sessions.pop(req.session_id)
         if old is not None:
             self.drop_session(old)
         row = self.rows.req_to_token[req.row]
+        kept = -(-req.num_computed // self.page_size) * self.page_size
+        # KV regions freed here: whole pages [kept, alloc_len) allocated for tokens never
+        # computed (a step scheduled before the turn was known to end: overlap mode)
+        self._free(row[kept : req.alloc_len])
         self.sessions.put(
             ParkedSession(
                 session_id=req.session_id,
                 namespace=req.namespace,
                 tokens=req.tokens[: req.num_computed],
-                slots=row[: req.alloc_len].clone(),
+                slots=row[:kept].clone(),
                 prefix_len=req.prefix_len,
                 node=req.node,
                 ttl_s=ttl_s,

@@ -57,15 +57,30 @@ class ModelRunner:
         self, batch: ScheduledBatch, req_to_token: torch.Tensor
     ) -> tuple[torch.Tensor, list[Request]]:
         """Run `batch`; float32 logits [S, vocab] for the S requests returned (in order)."""
-        attn, ids, positions, logits_at, sampled = self.prepare(batch, req_to_token)
-        logits = self.model.forward(ids, positions, attn, self.kv_pool, logits_at)
-        return logits, sampled
+        inputs = self.prepare(batch, req_to_token)
+        return self.run(inputs), inputs.sampled
 
-    def prepare(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> _Inputs:
+    def run(self, inputs: PassInputs) -> torch.Tensor:
+        """The forward pass of prepared inputs (the part an overlapping engine runs in its
+        forward thread: it reads only `inputs` and writes only the KV pool)."""
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, inputs.attn, self.kv_pool, inputs.logits_at
+        )
+
+    @staticmethod
+    def resolve(inputs: PassInputs, sampled_ids: torch.Tensor) -> None:
+        """Replace the placeholders of a batch prepared before the previous step's tokens were
+        known: id `-1 - i` stands for `sampled_ids[i]` (`Engine` overlap mode)."""
+        ids = inputs.input_ids
+        pending = ids < 0
+        if bool(pending.any()):
+            ids[pending] = sampled_ids.to(ids.device)[-1 - ids[pending]]
+
+    def prepare(self, batch: ScheduledBatch, req_to_token: torch.Tensor) -> PassInputs:
         """The inputs of one pass. Per step this costs O(batch) Python ints and a few small
         tensors: the slots come from the requests' rows of `req_to_token` (the block table,
         which `KVMemory.alloc` extends as requests grow) with one gather, never a tensor per
-        request."""
+        request. A token id < 0 is a placeholder for a token still being sampled (`resolve`)."""
         ids: list[int] = []
         positions: list[int] = []
         rows, kv_lens, logits_at, sampled = [], [], [], []
@@ -91,12 +106,12 @@ class ModelRunner:
         attn = AttentionBatch(q_lens, kv_lens, slot_mapping, slot_table=table)
         every_row = len(logits_at) == len(ids)
         logits_t = None if every_row else torch.tensor(logits_at, dtype=torch.int64, device=dev)
-        return _Inputs(
+        return PassInputs(
             attn, torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, logits_t, sampled
         )
 
 
-class _Inputs(NamedTuple):
+class PassInputs(NamedTuple):
     attn: AttentionBatch
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]

@@ -16,7 +16,9 @@ land in the cache rather than computing the same prefix twice (aged requests nev
 Memory: a running request that cannot get its slots even after eviction makes the scheduler
 drop parked sessions, then retract the newest running request (its computed prefix goes to the
 cache, it goes back to the head of the queue and recomputes later). A waiting request that
-does not fit is simply not admitted this step.
+does not fit is simply not admitted this step. While a forward pass is still in flight
+(`Engine` overlap mode) nothing is retracted: the request that does not fit skips the step,
+the batch says `short_of_memory`, and the engine schedules the next step after that pass.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class ScheduledBatch:
 
     requests: list[Request]
     num_new: list[int]
+    short_of_memory: bool = False  # a running request did not fit and nothing was retracted
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -68,23 +71,29 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, may_preempt: bool = True) -> ScheduledBatch:
+        """The next step's batch. `may_preempt=False`: retract no running request (their KV may
+        be in use by a forward pass in flight); one that does not fit skips this step."""
         batch = ScheduledBatch([], [])
         budget = self.config.prefill_budget
         retracted = self.num_retracted
-        budget = self._schedule_running(batch, budget)
-        if self.num_retracted == retracted:  # after a retraction memory is short: admit nothing
-            self._admit_waiting(batch, budget)
+        budget = self._schedule_running(batch, budget, may_preempt)
+        if self.num_retracted == retracted and not batch.short_of_memory:
+            self._admit_waiting(batch, budget)  # memory is short: admit nothing
         for req in self.waiting:
             req.waited_steps += 1
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int, may_preempt: bool) -> int:
         i = 0
         while i < len(self.running):
             req = self.running[i]
             n = 1 if req.remaining == 1 else min(req.remaining, budget)
             if n <= 0:
+                i += 1
+                continue
+            if not may_preempt and not self._alloc_or_evict(req, req.num_computed + n):
+                batch.short_of_memory = True
                 i += 1
                 continue
             if not self._alloc_or_retract(req, req.num_computed + n):
@@ -94,6 +103,14 @@ class Scheduler:
             budget = max(budget - n, 0)
             i += 1
         return budget
+
+    def _alloc_or_evict(self, req: Request, upto: int) -> bool:
+        """Slots for a running request from the free list, cache leaves and parked sessions
+        only (no retraction)."""
+        while not self.memory.alloc(req, upto):
+            if not self.memory.drop_oldest_session():
+                return False
+        return True
 
     def _alloc_or_retract(self, req: Request, upto: int) -> bool:
         """Slots for a running request: evict, drop sessions, then retract the newest running
@@ -142,12 +159,14 @@ class Scheduler:
     def _shares_a_running_prefill(self, req: Request) -> bool:
         """True when a request still prefilling (or admitted this step) computes a long prefix
         of `req` that is not cached yet: `req` waits, then finds it in the cache instead of
-        computing it twice. Aged requests never wait for this."""
+        computing it twice (a chunk in flight counts until it is cached). Aged requests never
+        wait for this."""
         if self.memory.radix is None or req.waited_steps >= self.config.aging_steps:
             return False
         need = req.cached_hint + self.config.defer_shared
         return any(
-            other.remaining > 1 and common_prefix_len(req.tokens, other.tokens) >= need
+            (other.remaining > 1 or other.prefill_in_flight)
+            and common_prefix_len(req.tokens, other.tokens) >= need
             for other in self.running
         )
 

@@ -11,10 +11,15 @@ import random
 from worker.engine import Engine, EngineConfig
 from worker.protocol import SamplingParams
 
+# the step mode of the engines `make` builds unless told: the `step_modes` fixture
+# (conftest.py) runs a test module once with each
+MODE = {"overlap": False}
+
 
 def make(**kw) -> Engine:
     """An engine with 4,096 KV slots unless `kv_tokens` says otherwise."""
     kw.setdefault("kv_tokens", 4096)
+    kw.setdefault("overlap", MODE["overlap"])
     return Engine(EngineConfig(**kw))
 
 

@@ -17,6 +17,8 @@ from worker.protocol import GenerateRequest, SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_kit import assert_idle_clean, checked, greedy, make  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("step_modes")
+
 
 def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
     """`n` prompts of `length` tokens whose first `shared` tokens are the same."""

@@ -82,11 +82,12 @@ def tiny_case():
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("budget", [24, 4096])
-def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget, overlap):
     prompts, expected = tiny_case
     config = EngineConfig(
         model="tiny", dtype="float32", kv_tokens=4096, page_size=page_size, attention=attention,
-        prefill_budget=budget,
+        prefill_budget=budget, overlap=overlap,
     )  # fmt: skip
     engine = Engine(config)
     for rnd in range(2):  # the second round runs over cached prefixes
@@ -96,11 +97,13 @@ def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget):
             assert all(c.cached_tokens > 0 for c in out)
 
 
-def test_tiny_compiled_matches_hf(tiny_case):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_compiled_matches_hf(tiny_case, overlap):
     prompts, expected = tiny_case
-    engine = Engine(
-        EngineConfig(model="tiny", dtype="float32", kv_tokens=4096, page_size=16, compile=True)
+    config = EngineConfig(
+        model="tiny", dtype="float32", kv_tokens=4096, page_size=16, compile=True, overlap=overlap
     )
+    engine = Engine(config)
     for rnd in range(2):
         assert [c.token_ids for c in engine_greedy(engine, prompts, 12, f"c{rnd}")] == expected
     assert all(k.active for k in engine.model.kernels)  # compiled for real, no fallback
@@ -148,8 +151,8 @@ QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size):
+@pytest.mark.parametrize(("page_size", "overlap"), [(1, False), (16, False), (16, True)])
+def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size, overlap):
     path, hf, tok = smollm2
     prompts = [chat(tok, q) for q in QUESTIONS]
     expected = hf_greedy(hf, prompts, 24)
@@ -157,15 +160,17 @@ def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size):
     assert "Paris" in paris, paris
     engine = Engine(
         EngineConfig(
-            model=path, dtype="float32", kv_tokens=8192, page_size=page_size, prefill_budget=64
+            model=path, dtype="float32", kv_tokens=8192, page_size=page_size, prefill_budget=64,
+            overlap=overlap,
         )
-    )
+    )  # fmt: skip
     for rnd in range(2):  # mixed lengths in one batch; then again over cached prefixes
         out = engine_greedy(engine, prompts, 24, f"chat{rnd}")
         assert [c.token_ids for c in out] == expected
 
 
-def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2, overlap):
     """A prompt over 2k tokens, chunked; then a second prompt sharing its first 2k tokens
     prefills only its tail, over the cached prefix."""
     path, hf, tok = smollm2
@@ -175,8 +180,11 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2):
     other = long[:2048] + chat(tok, "Which colour is item 11?")[-20:]
     expected = hf_greedy(hf, [long, other], 8)
     engine = Engine(
-        EngineConfig(model=path, dtype="float32", kv_tokens=8192, page_size=16, prefill_budget=512)
-    )
+        EngineConfig(
+            model=path, dtype="float32", kv_tokens=8192, page_size=16, prefill_budget=512,
+            overlap=overlap,
+        )
+    )  # fmt: skip
     first = engine_greedy(engine, [long], 8, "long")[0]
     second = engine_greedy(engine, [other], 8, "other")[0]
     assert [first.token_ids, second.token_ids] == expected

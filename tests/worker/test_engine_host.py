@@ -14,6 +14,8 @@ from worker.protocol import GenerateRequest, SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_kit import prompt  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("step_modes")
+
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

@@ -15,6 +15,8 @@ from worker.protocol import GenerateRequest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("step_modes")
+
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_abort_mid_prefill_chunk_frees_everything(page_size):
@@ -32,7 +34,7 @@ def test_abort_mid_prefill_chunk_frees_everything(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_abort_mid_decode_and_while_waiting(page_size):
+def test_abort_mid_decode_and_while_waiting(page_size, step_modes):
     engine = make(page_size=page_size, max_running=1)
     engine.add_request(GenerateRequest("a", prompt(40, 3), greedy(30)))
     engine.add_request(GenerateRequest("w", prompt(40, 4), greedy(30)))
@@ -49,7 +51,8 @@ def test_abort_mid_decode_and_while_waiting(page_size):
         ("a", "abort"),
         ("w", "abort"),
     ]
-    assert len(got) == 5 and not engine.has_work()
+    # five steps: five tokens; overlapped, the fifth is still in flight when "a" is aborted
+    assert len(got) == (4 if step_modes else 5) and not engine.has_work()
     assert_idle_clean(engine)
 
 

@@ -16,6 +16,8 @@ from worker.protocol import GenerateRequest
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("step_modes")
+
 
 def turn(engine: Engine, rid: str, ids: list[int], session: str | None = "s", **kw):
     req = GenerateRequest(rid, ids, greedy(8), session_id=session, **kw)
