@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from worker.engine import Engine, EngineConfig
-from worker.protocol import SamplingParams
+from worker.protocol import GenerateRequest, SamplingParams
 
 # the step mode of the engines `make` builds unless told: the `step_modes` fixture
 # (conftest.py) runs a test module once with each
@@ -43,3 +43,36 @@ def assert_idle_clean(engine: Engine) -> None:
     assert (s.running, s.waiting, s.kv_protected, s.kv_session, s.sessions) == (0, 0, 0, 0, 0)
     assert s.kv_free + s.kv_evictable == s.kv_total
     engine.check_integrity()
+
+
+def drive_randomly(
+    engine: Engine, rng: random.Random, base: list[int], ops: int, max_new: int
+) -> None:
+    """`ops` random operations, each followed by 0-3 steps with the integrity check: arrivals
+    (prefixes of `base`, session turns "s1"/"s2" that extend their history, resumes), aborts
+    of any request so far, session closes. Leaves the engine with work to finish."""
+    history: dict[str, list[int]] = {}
+    for i in range(ops):
+        op = rng.random()
+        if op < 0.35:
+            sid = rng.choice([None, None, "s1", "s2"])
+            ids = (
+                history.get(sid, []) + base[: rng.randrange(1, 40)]
+                if sid
+                else base[: rng.randrange(0, 48)] + prompt(rng.randrange(1, 20), 1000 + i)
+            )
+            ids = ids[-100:]
+            sp = greedy(rng.randrange(1, max_new))
+            resume = prompt(rng.randrange(1, sp.max_tokens), i) if rng.random() < 0.1 else []
+            if len(resume) >= sp.max_tokens:
+                resume = []
+            engine.add_request(GenerateRequest(f"q{i}", ids, sp, session_id=sid, resume_ids=resume))
+            if sid:
+                history[sid] = ids
+        elif op < 0.45:
+            engine.abort(f"q{rng.randrange(0, i + 1)}")
+        elif op < 0.5:
+            engine.close_session(rng.choice(["s1", "s2"]))
+        for _ in range(rng.randrange(0, 4)):
+            engine.step()
+            engine.check_integrity()

@@ -17,7 +17,14 @@ from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
+from engine_kit import (  # noqa: E402
+    assert_idle_clean,
+    checked,
+    drive_randomly,
+    greedy,
+    make,
+    prompt,
+)
 
 
 def test_the_next_step_is_scheduled_while_the_pass_runs():
@@ -54,7 +61,7 @@ def test_no_slot_a_pass_uses_changes_owner_before_it_ends(seed, page_size, host)
     pressure is met by waiting for the pass (then retracting), and nothing leaks."""
     rng = random.Random(seed)
     engine = make(
-        overlap=True, kv_tokens=128, page_size=page_size, prefill_budget=24, max_running=6,
+        overlap=True, kv_tokens=160, page_size=page_size, prefill_budget=24, max_running=6,
         host_kv_tokens=host,
     )  # fmt: skip
     touched = []
@@ -78,21 +85,7 @@ def test_no_slot_a_pass_uses_changes_owner_before_it_ends(seed, page_size, host)
         return batch
 
     scheduler.schedule = spy_schedule
-    base = prompt(64, seed)
-    for i in range(80):
-        op = rng.random()
-        if op < 0.4:
-            sid = rng.choice([None, None, "s1", "s2"])
-            ids = base[: rng.randrange(1, 60)] + prompt(rng.randrange(1, 20), 1000 + i)
-            sp = greedy(rng.randrange(1, 40))
-            engine.add_request(GenerateRequest(f"q{i}", ids, sp, session_id=sid))
-        elif op < 0.5:
-            engine.abort(f"q{rng.randrange(0, i + 1)}")
-        elif op < 0.55:
-            engine.close_session(rng.choice(["s1", "s2"]))
-        for _ in range(rng.randrange(0, 4)):
-            engine.step()
-            engine.check_integrity()
+    drive_randomly(engine, rng, prompt(64, seed), ops=80, max_new=40)
     run_to_completion(engine, after_step=checked)
     engine.close_session("s1")
     engine.close_session("s2")

@@ -13,7 +13,14 @@ from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
+from engine_kit import (  # noqa: E402
+    assert_idle_clean,
+    checked,
+    drive_randomly,
+    greedy,
+    make,
+    prompt,
+)
 
 pytestmark = pytest.mark.usefixtures("step_modes")
 
@@ -146,32 +153,7 @@ def test_random_operations_never_leak(seed, page_size, host):
     engine = make(
         kv_tokens=192, page_size=page_size, prefill_budget=24, max_running=5, host_kv_tokens=host
     )
-    base = prompt(64, seed)
-    history: dict[str, list[int]] = {}
-    for i in range(60):
-        op = rng.random()
-        if op < 0.35:
-            sid = rng.choice([None, None, "s1", "s2"])
-            ids = (
-                history.get(sid, []) + base[: rng.randrange(1, 40)]
-                if sid
-                else base[: rng.randrange(0, 48)] + prompt(rng.randrange(1, 20), 1000 + i)
-            )
-            ids = ids[-100:]
-            sp = greedy(rng.randrange(1, 12))
-            resume = prompt(rng.randrange(1, sp.max_tokens), i) if rng.random() < 0.1 else []
-            if len(resume) >= sp.max_tokens:
-                resume = []
-            engine.add_request(GenerateRequest(f"q{i}", ids, sp, session_id=sid, resume_ids=resume))
-            if sid:
-                history[sid] = ids
-        elif op < 0.45:
-            engine.abort(f"q{rng.randrange(0, i + 1)}")
-        elif op < 0.5:
-            engine.close_session(rng.choice(["s1", "s2"]))
-        for _ in range(rng.randrange(0, 4)):
-            engine.step()
-            engine.check_integrity()
+    drive_randomly(engine, rng, prompt(64, seed), ops=60, max_new=12)
     run_to_completion(engine, after_step=checked)
     engine.close_session("s1")
     engine.close_session("s2")
