@@ -30,6 +30,7 @@ The goals of bench/bench_engine.py (3x HF static-batch `generate` at 32 concurre
 
     RADIXRAY_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/engine_vs_vllm.py
     python bench/engine_vs_vllm.py --only radixray --json out.json   # no vLLM environment
+    python bench/engine_vs_vllm.py --radixray-args="--overlap"        # flags for `serve`
 """
 
 from __future__ import annotations
@@ -265,8 +266,8 @@ def main() -> int:
                         "figures printed are each one's median (default: %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without compiling")
     parser.add_argument("--radixray-args", type=shlex.split, default=[], metavar="ARGS",
-                        help="more flags for `radixray serve`, in one quoted string, e.g. "
-                        "\"--overlap\"")
+                        help="more flags for `radixray serve`, in one string joined with '=', "
+                        "e.g. --radixray-args=--overlap")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="both engines' dtype (default: %(default)s, vLLM's own on a "
                         "float32 checkpoint)")
