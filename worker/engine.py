@@ -179,7 +179,7 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return
-        if self._inflight is not None and req in self._inflight.batch.requests:
+        if req in self.in_flight:
             self._inflight.aborts.append(request_id)  # its slots are in use until the pass ends
             return
         self._finish(req, "abort")

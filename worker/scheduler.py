@@ -92,32 +92,26 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if not may_preempt and not self._alloc_or_evict(req, req.num_computed + n):
-                batch.short_of_memory = True
-                i += 1
-                continue
-            if not self._alloc_or_retract(req, req.num_computed + n):
-                continue  # req itself was retracted; running[i] is now the next one
+            if not self._alloc_or_retract(req, req.num_computed + n, may_preempt):
+                if req.status is Status.RUNNING:  # nothing may be retracted: it skips a step
+                    batch.short_of_memory = True
+                    i += 1
+                continue  # else req itself was retracted; running[i] is now the next one
             batch.requests.append(req)
             batch.num_new.append(n)
             budget = max(budget - n, 0)
             i += 1
         return budget
 
-    def _alloc_or_evict(self, req: Request, upto: int) -> bool:
-        """Slots for a running request from the free list, cache leaves and parked sessions
-        only (no retraction)."""
-        while not self.memory.alloc(req, upto):
-            if not self.memory.drop_oldest_session():
-                return False
-        return True
-
-    def _alloc_or_retract(self, req: Request, upto: int) -> bool:
-        """Slots for a running request: evict, drop sessions, then retract the newest running
-        request (possibly `req` itself: then False)."""
+    def _alloc_or_retract(self, req: Request, upto: int, may_preempt: bool) -> bool:
+        """Slots for a running request: evict, drop sessions, then (when `may_preempt`)
+        retract the newest running request, possibly `req` itself. False when `req` got no
+        slots: it was retracted, or it still runs and nothing may be retracted."""
         while not self.memory.alloc(req, upto):
             if self.memory.drop_oldest_session():
                 continue
+            if not may_preempt:
+                return False
             victim = self.running[-1]
             self.retract(victim)
             if victim is req:

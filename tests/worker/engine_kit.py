@@ -1,8 +1,8 @@
 """Set-up and checks shared by the engine tests: an engine on the built-in `tiny` model, greedy
 sampling, random prompts, and the integrity checks run after every step and at idle.
 
-Imported as `from engine_kit import ...` after putting this folder on `sys.path` (pytest's
-importlib mode puts no test folder there), as tests/router does with app_testkit."""
+Imported as `from engine_kit import ...`: this folder's conftest.py puts it on `sys.path`
+(pytest's importlib mode puts no test folder there)."""
 
 from __future__ import annotations
 

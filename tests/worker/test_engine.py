@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from engine_kit import assert_idle_clean, checked, greedy, make
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, decode_batch
 from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import assert_idle_clean, checked, greedy, make  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("step_modes")
 

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from engine_kit import prompt
 
 from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import prompt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("step_modes")
 

@@ -6,18 +6,11 @@ that uses the `step_modes` fixture, and against HF in test_engine_hf_identity.""
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
-
-from worker.offline import run_to_completion
-from worker.protocol import GenerateRequest, SamplingParams
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import (  # noqa: E402
+from engine_kit import (
     assert_idle_clean,
     checked,
     drive_randomly,
@@ -25,6 +18,9 @@ from engine_kit import (  # noqa: E402
     make,
     prompt,
 )
+
+from worker.offline import run_to_completion
+from worker.protocol import GenerateRequest, SamplingParams
 
 
 def test_the_next_step_is_scheduled_while_the_pass_runs():

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
-
-from worker.engine import Engine
-from worker.offline import run_to_completion
-from worker.protocol import GenerateRequest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import (  # noqa: E402
+from engine_kit import (
     assert_idle_clean,
     checked,
     drive_randomly,
@@ -21,6 +13,10 @@ from engine_kit import (  # noqa: E402
     make,
     prompt,
 )
+
+from worker.engine import Engine
+from worker.offline import run_to_completion
+from worker.protocol import GenerateRequest
 
 pytestmark = pytest.mark.usefixtures("step_modes")
 

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from engine_kit import assert_idle_clean, checked, greedy, make, prompt
 
 from mem_cache.events import SessionHeld, SessionReleased, decode_batch
 from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest
-
-sys.path.insert(0, str(Path(__file__).parent))
-from engine_kit import assert_idle_clean, checked, greedy, make, prompt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("step_modes")
 
