@@ -1,0 +1,117 @@
+"""bf16 prefill attention over the KV pool: `worker.prefill_kernel` against torch's SDPA.
+
+For each chunk shape (`nq` new tokens over `nk` keys: a cached prefix, then the chunk), the
+keys sit at scattered slots of a pool as in the engine; the kernel reads them there, torch's
+flash kernel (`scaled_dot_product_attention`, causal aligned to the end through an explicit
+mask where nq < nk) gets them gathered first, as the torch path does. Printed: ms per layer,
+GFLOP/s over the visible (query, key) pairs, the ratio to the faster torch way, and the
+largest error of the kernel and of torch's GQA path against a float32 softmax. One torch
+thread (the engine's).
+
+    python bench/bench_prefill_attention.py                   # SmolLM2-135M's heads
+    python bench/bench_prefill_attention.py --heads 32 8 --head-dim 128 --shape 512x4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+import worker.prefill_kernel as prefill_kernel
+
+SHAPES = ("560x560", "65x560", "1100x1100", "64x2100", "2048x2048", "7x1300")  # nq x nk
+
+
+def per_call(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def visible_mask(nq: int, nk: int) -> torch.Tensor:
+    """[nq, nk]: query i sees keys 0 .. nk - nq + i."""
+    return torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+
+
+def reference(q, k_buf, v_buf, slots) -> torch.Tensor:
+    """float32 attention of q [nq, H, D] over the keys at `slots`."""
+    nq, heads, dim = q.shape
+    group = heads // k_buf.shape[1]
+    k = k_buf[slots].float().repeat_interleave(group, 1)
+    v = v_buf[slots].float().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * dim**-0.5
+    s = s.masked_fill(~visible_mask(nq, slots.numel()), float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", s, v)
+
+
+def torch_path(q, k_buf, v_buf, slots, expand: bool = False) -> torch.Tensor:
+    """Gather, then torch's SDPA with `enable_gqa`, as the engine's torch attention path does;
+    with `expand`, the KV heads repeated for each query head instead (torch's flash kernel
+    then serves the causal case)."""
+    nq, nk = q.shape[0], slots.numel()
+    k, v = k_buf[slots].transpose(0, 1), v_buf[slots].transpose(0, 1)
+    if expand:
+        group = q.shape[1] // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    mask = None if nq == nk else visible_mask(nq, nk)
+    q, k, v = (t.contiguous() for t in (q.transpose(0, 1), k, v))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=not expand
+    )
+    return out.transpose(0, 1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", nargs="*", default=list(SHAPES), help="NQxNK chunk shapes")
+    parser.add_argument("--heads", nargs=2, type=int, default=(9, 3), metavar=("H", "KVH"))
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--slots", type=int, default=16384, help="pool slots")
+    parser.add_argument("--repeat", type=int, default=9)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    kernel = prefill_kernel.load()
+    if kernel is None:
+        print("the prefill kernel does not build here (needs AVX512-BF16 and a C compiler)")
+        return 1
+    heads, kv_heads = args.heads
+    dim = args.head_dim
+    k_buf = torch.randn(args.slots, kv_heads, dim, dtype=torch.bfloat16)
+    v_buf = torch.randn(args.slots, kv_heads, dim, dtype=torch.bfloat16)
+    print(f"heads {heads}/{kv_heads}, head dim {dim}, bf16, one thread; ms per layer")
+    print(
+        f"{'nq x nk':>12} {'kernel':>10} {'GFLOP/s':>8} {'torch gqa':>10} {'GFLOP/s':>8} "
+        f"{'torch exp':>10} {'GFLOP/s':>8} {'ratio':>6} {'err kernel':>11} {'err torch':>10}"
+    )
+    for shape in args.shape:
+        nq, nk = (int(n) for n in shape.split("x"))
+        slots = torch.randperm(args.slots)[:nk]
+        q = torch.randn(nq, heads, dim, dtype=torch.bfloat16)
+        flops = 4 * heads * dim * int(visible_mask(nq, nk).sum())
+        t_kernel = per_call(partial(kernel, q, k_buf, v_buf, slots), args.repeat)
+        t_torch = per_call(partial(torch_path, q, k_buf, v_buf, slots), args.repeat)
+        t_expand = per_call(partial(torch_path, q, k_buf, v_buf, slots, True), args.repeat)
+        ref = reference(q, k_buf, v_buf, slots)
+        err_kernel = (kernel(q, k_buf, v_buf, slots).float() - ref).abs().max().item()
+        err_torch = (torch_path(q, k_buf, v_buf, slots).float() - ref).abs().max().item()
+        print(f"{shape:>12} {t_kernel * 1e3:>8.2f}ms {flops / t_kernel / 1e9:>8.0f} "
+              f"{t_torch * 1e3:>8.2f}ms {flops / t_torch / 1e9:>8.0f} "
+              f"{t_expand * 1e3:>8.2f}ms {flops / t_expand / 1e9:>8.0f} "
+              f"{min(t_torch, t_expand) / t_kernel:>5.1f}x {err_kernel:>11.4f} "
+              f"{err_torch:>10.4f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
