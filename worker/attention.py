@@ -16,6 +16,7 @@ loads on a machine without them.
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,26 @@ class AttentionBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
+
+    def rows_only(self, rows: list[int]) -> AttentionBatch:
+        """The batch of the queries at `rows` (rows of the flattened batch) alone, in that
+        order: each one new token over the keys it sees here (the query at offset j of
+        sequence i's chunk sees the first `kv_lens[i] - q_lens[i] + j + 1` of them)."""
+        starts = [0]
+        for q_len in self.q_lens:
+            starts.append(starts[-1] + q_len)
+        seqs, kv_lens = [], []
+        for row in rows:
+            i = bisect.bisect_right(starts, row) - 1
+            seqs.append(i)
+            kv_lens.append(self.kv_lens[i] - self.q_lens[i] + row - starts[i] + 1)
+        device = self.slot_mapping.device
+        slot_mapping = self.slot_mapping[torch.tensor(rows, dtype=torch.int64, device=device)]
+        if self.kv_slots is not None:
+            kv_slots = [self.kv_slots[i][:n] for i, n in zip(seqs, kv_lens, strict=True)]
+            return AttentionBatch([1] * len(rows), kv_lens, slot_mapping, kv_slots=kv_slots)
+        table = self.slot_table.index_select(0, torch.tensor(seqs, device=device))
+        return AttentionBatch([1] * len(rows), kv_lens, slot_mapping, slot_table=table)
 
     def validate(self) -> None:
         """Raise ValueError when the lengths do not describe a consistent batch."""

@@ -105,9 +105,12 @@ class ModelRunner:
         table = req_to_token[:, : max(kv_lens)].index_select(0, rows_t)
         attn = AttentionBatch(q_lens, kv_lens, slot_mapping, slot_table=table)
         every_row = len(logits_at) == len(ids)
-        logits_t = None if every_row else torch.tensor(logits_at, dtype=torch.int64, device=dev)
         return PassInputs(
-            attn, torch.tensor(ids, dtype=torch.int64, device=dev), positions_t, logits_t, sampled
+            attn,
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions_t,
+            None if every_row else logits_at,
+            sampled,
         )
 
 
@@ -115,5 +118,5 @@ class PassInputs(NamedTuple):
     attn: AttentionBatch
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    logits_at: torch.Tensor | None  # rows whose logits are wanted; None: every row
+    logits_at: list[int] | None  # rows whose logits are wanted; None: every row
     sampled: list[Request]  # the requests those rows belong to

@@ -14,7 +14,7 @@ import transformers
 
 from mem_cache.kv_pool import KVPool
 from worker.attention import AttentionBatch
-from worker.models import CausalLM, load_model
+from worker.models import CausalLM, llama, load_model
 
 SHAPE = dict(
     vocab_size=160,
@@ -87,7 +87,7 @@ def run(model: CausalLM, pool: KVPool, seqs: list[tuple[list[int], torch.Tensor,
         slot_mapping=torch.cat(slot_mapping),
         kv_slots=[s[: len(t)] for t, s, _ in seqs],
     )
-    return model(torch.tensor(ids), torch.tensor(positions), batch, pool, torch.tensor(logits_rows))
+    return model(torch.tensor(ids), torch.tensor(positions), batch, pool, logits_rows)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -115,19 +115,46 @@ def test_logits_match_transformers(family, tmp_path):
     torch.testing.assert_close(out[1:], hf_logits(hf, other), **tol)
 
 
-def test_logits_indices_select_rows(tmp_path):
+def test_logits_rows_select_rows_and_the_last_layer_runs_for_them_alone(tmp_path):
     save_random_model(CONFIGS["qwen3"](), tmp_path)
     model = load_model(tmp_path)
     cfg = model.config
-    pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    batch = AttentionBatch([8], [8], torch.arange(8), [torch.arange(8)])
-    tokens, positions = torch.arange(8), torch.arange(8)
-    full = model(tokens, positions, batch, pool, torch.arange(8))
-    batch = AttentionBatch([8], [8], torch.arange(8), [torch.arange(8)])
-    last = model(tokens, positions, batch, pool, torch.tensor([7, 2]))
-    assert last.dtype == torch.float32 and last.shape == (2, cfg.vocab_size)
-    torch.testing.assert_close(last, full[[7, 2]])
-    last -= 1.0  # samplers edit logits in place: they must not be inference tensors
-    batch = AttentionBatch([8], [8], torch.arange(8), [torch.arange(8)])
-    none = model(tokens, positions, batch, pool, torch.tensor([], dtype=torch.int64))
-    assert none.shape == (0, cfg.vocab_size)  # a prefill chunk that samples nothing
+    rows_seen = []  # rows through each layer's MLP, in layer order
+
+    def post(x, *args):
+        rows_seen.append(x.shape[0])
+        return llama.post_attention(x, *args)
+
+    model.kernels = llama.LayerKernels(llama.pre_attention, post)
+    # two sequences: 5 new tokens over 3 cached at slots 0-7, and 3 new tokens at 20-22
+    tokens, positions = torch.arange(8), torch.tensor([3, 4, 5, 6, 7, 0, 1, 2])
+
+    def batch() -> AttentionBatch:
+        return AttentionBatch(
+            [5, 3], [8, 3], torch.tensor([3, 4, 5, 6, 7, 20, 21, 22]),
+            [torch.arange(8), torch.arange(20, 23)],
+        )  # fmt: skip
+
+    def forward(rows):
+        pool = KVPool(64, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        gen = torch.Generator().manual_seed(0)  # the cached prefix: the same random K/V
+        for layer in range(cfg.num_layers):
+            shape = (3, cfg.num_kv_heads, cfg.head_dim)
+            pool.set_kv(layer, torch.arange(3), torch.randn(shape, generator=gen),
+                        torch.randn(shape, generator=gen))  # fmt: skip
+        rows_seen.clear()
+        return model(tokens, positions, batch(), pool, rows), pool, list(rows_seen)
+
+    full, full_pool, seen = forward(None)
+    assert seen == [8, 8]
+    some, pool, seen = forward([7, 2, 4])  # any rows, in any order
+    assert seen == [8, 3]  # the last layer's MLP ran for the 3 rows alone
+    assert some.dtype == torch.float32 and some.shape == (3, cfg.vocab_size)
+    torch.testing.assert_close(some, full[[7, 2, 4]])
+    some -= 1.0  # samplers edit logits in place: they must not be inference tensors
+    none, none_pool, seen = forward([])  # a prefill chunk that samples nothing
+    assert none.shape == (0, cfg.vocab_size) and seen == [8]
+    for other in (pool, none_pool):  # every token's K/V, in every layer, as the full pass's
+        for layer in range(cfg.num_layers):
+            assert torch.equal(other.k_buffer[layer], full_pool.k_buffer[layer])
+            assert torch.equal(other.v_buffer[layer], full_pool.v_buffer[layer])

@@ -90,8 +90,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, batch, kv_pool, kernels: LayerKernels) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; `rope` is the (cos, sin) of the tokens' positions."""
+    def forward(
+        self, x, rope, batch, kv_pool, kernels: LayerKernels, rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `rope` is the (cos, sin) of the tokens' positions.
+
+        With `rows`, only those rows' outputs are made ([len(rows), hidden]): every token's K/V
+        still goes into the pool, then attention and the MLP run for those rows alone (the
+        model's last layer, whose other rows nothing reads)."""
         a, m, c = self.self_attn, self.mlp, self.cfg
         q_norm = a.q_norm.weight if a.q_norm is not None else None
         k_norm = a.k_norm.weight if a.k_norm is not None else None
@@ -99,6 +105,13 @@ class DecoderLayer(nn.Module):
             x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, q_norm, k_norm,
             *rope, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
         )  # fmt: skip
+        if rows is not None and len(rows) < x.shape[0]:
+            kv_pool.set_kv(a.layer, batch.slot_mapping, k, v)
+            if not rows:  # a chunk that samples nothing: its K/V was all it had to leave
+                return x[:0]
+            index = torch.tensor(rows, dtype=torch.int64, device=x.device)
+            x, q, k, v = x[index], q[index], k[index], v[index]
+            batch = batch.rows_only(rows)
         out = a.backend.forward(q, k, v, a.layer, batch, kv_pool)
         return kernels.post(
             x, out.reshape(x.shape[0], -1), a.o_proj.weight, a.o_proj.bias,
@@ -204,20 +217,23 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_pool: KVPool,
-        logits_indices: torch.Tensor | None,
+        logits_rows: list[int] | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] of the new tokens -> float32 logits [S, vocab] of the
-        tokens at `logits_indices` (rows of the flattened batch, usually each sequence's last;
+        tokens at `logits_rows` (rows of the flattened batch, usually each sequence's last;
         None: every row).
 
-        Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`.
+        Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`. The
+        last layer runs attention and the MLP for the logits rows only (a prompt chunk's other
+        tokens need only their K/V there): a cold prompt of ~500 tokens skips ~1/30 of its
+        linears.
         """
         x = self.embed_tokens(input_ids)
         rope = self._rope(input_ids.device).cos_sin(positions, x.dtype)
-        for layer in self.layers:
+        *body, last = self.layers
+        for layer in body:
             x = layer(x, rope, batch, kv_pool, self.kernels)
-        if logits_indices is not None:
-            x = x[logits_indices]
+        x = last(x, rope, batch, kv_pool, self.kernels, logits_rows)
         x = self.norm(x)
         return linear(x, self.lm_head.weight, self.lm_head.bias).to(torch.float32)
 
