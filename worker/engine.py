@@ -26,6 +26,7 @@ import torch
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
 from worker.compiled import compile_model
+from worker.heap import retain_freed_memory
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner, PassInputs
@@ -107,6 +108,8 @@ class Engine:
             pack_linears(self.model)
         if config.compile:
             compile_model(self.model)
+        if self.device.type == "cpu":  # activations live in host memory: keep their pages
+            retain_freed_memory()
         mc = self.model.config
         self.max_context = min(config.max_context or mc.max_context, mc.max_context)
         self.eos_token_ids = list(mc.eos_token_ids)
