@@ -152,6 +152,8 @@ def test_logits_rows_select_rows_and_the_last_layer_runs_for_them_alone(tmp_path
     assert some.dtype == torch.float32 and some.shape == (3, cfg.vocab_size)
     torch.testing.assert_close(some, full[[7, 2, 4]])
     some -= 1.0  # samplers edit logits in place: they must not be inference tensors
+    every, _, seen = forward([7, 6, 5, 4, 3, 2, 1, 0])  # every row, in another order
+    torch.testing.assert_close(every, full.flip(0))
     none, none_pool, seen = forward([])  # a prefill chunk that samples nothing
     assert none.shape == (0, cfg.vocab_size) and seen == [8]
     for other in (pool, none_pool):  # every token's K/V, in every layer, as the full pass's

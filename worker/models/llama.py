@@ -95,9 +95,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `rope` is the (cos, sin) of the tokens' positions.
 
-        With `rows`, only those rows' outputs are made ([len(rows), hidden]): every token's K/V
-        still goes into the pool, then attention and the MLP run for those rows alone (the
-        model's last layer, whose other rows nothing reads)."""
+        With `rows`, only those rows' outputs are made, in that order ([len(rows), hidden]):
+        every token's K/V still goes into the pool, then attention and the MLP run for those
+        rows alone (the model's last layer, whose other rows nothing reads)."""
         a, m, c = self.self_attn, self.mlp, self.cfg
         q_norm = a.q_norm.weight if a.q_norm is not None else None
         k_norm = a.k_norm.weight if a.k_norm is not None else None
@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
             x, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias, q_norm, k_norm,
             *rope, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
         )  # fmt: skip
-        if rows is not None and len(rows) < x.shape[0]:
+        if rows is not None and rows != list(range(x.shape[0])):
             kv_pool.set_kv(a.layer, batch.slot_mapping, k, v)
             if not rows:  # a chunk that samples nothing: its K/V was all it had to leave
                 return x[:0]
