@@ -126,9 +126,10 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
     for n in args.concurrency:
         ours, itl, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], [], []
         for run in range(args.runs):
-            prompts = [
-                random_prompt(args.prompt_len, 7_000 + 100 * run + i, vocab) for i in range(n)
-            ]
+            # prompts of their own per concurrency and run: the engine caches what an earlier
+            # run sent, and HF's batch, which caches nothing, must not be measured against hits
+            seed = 10_000_000 * (run + 1) + 1_000 * n
+            prompts = [random_prompt(args.prompt_len, seed + i, vocab) for i in range(n)]
             # measured back to back, so each run's ratios see about the same machine load
             o, gap = engine_throughput(engine, prompts, args.output_len, f"tp{n}-{run}")
             itl.append(gap)
