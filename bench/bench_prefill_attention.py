@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import timeit
 from functools import partial
 
 import torch
@@ -28,13 +28,8 @@ SHAPES = ("560x560", "65x560", "1100x1100", "64x2100", "2048x2048", "7x1300")  #
 
 
 def per_call(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    fn()  # warm: the kernel builds and the pages fault in before the timed calls
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def visible_mask(nq: int, nk: int) -> torch.Tensor:
