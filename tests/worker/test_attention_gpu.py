@@ -107,7 +107,7 @@ def test_small_model_logits_match_torch_backend(name, tmp_path):
         slots = torch.arange(n, device="cuda")
         batch = AttentionBatch([n], [n], slots, [slots])
         ids, pos = torch.tensor(prompt, device="cuda"), torch.arange(n, device="cuda")
-        logits[attn] = model(ids, pos, batch, pool, torch.tensor([n - 1], device="cuda"))
+        logits[attn] = model(ids, pos, batch, pool, [n - 1])
     ref, out = logits["torch"], logits[name]
     # bf16 through six layers: compare relative to the logits' scale, and the top token.
     assert (out - ref).abs().max() <= 0.05 * ref.abs().max()

@@ -105,7 +105,7 @@ def greedy(model, prompt: list[int], steps: int) -> list[int]:
         n = len(tokens)
         batch = AttentionBatch([q_len], [n], torch.arange(n - q_len, n), [torch.arange(n)])
         ids, positions = torch.tensor(tokens[n - q_len :]), torch.arange(n - q_len, n)
-        logits = model(ids, positions, batch, pool, torch.tensor([q_len - 1]))
+        logits = model(ids, positions, batch, pool, [q_len - 1])
         tokens.append(int(logits.argmax(-1)))
         q_len = 1
     return tokens[len(prompt) :]

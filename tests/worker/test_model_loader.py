@@ -41,7 +41,7 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     cfg, n = model.config, len(tokens)
     pool = KVPool(n, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=cfg.dtype)
     batch = AttentionBatch([n], [n], torch.arange(n), [torch.arange(n)])
-    return model(torch.tensor(tokens), torch.arange(n), batch, pool, torch.arange(n))
+    return model(torch.tensor(tokens), torch.arange(n), batch, pool, list(range(n)))
 
 
 TOKENS = [5, 17, 3, 80, 41, 41, 9, 60]
