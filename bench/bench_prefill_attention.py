@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import worker.prefill_kernel as prefill_kernel
+from worker.attention import end_aligned_mask
 
 SHAPES = ("560x560", "65x560", "1100x1100", "64x2100", "2048x2048", "7x1300")  # nq x nk
 
@@ -32,11 +33,6 @@ def per_call(fn, repeat: int) -> float:
     return statistics.median(timeit.repeat(fn, number=1, repeat=repeat))
 
 
-def visible_mask(nq: int, nk: int) -> torch.Tensor:
-    """[nq, nk]: query i sees keys 0 .. nk - nq + i."""
-    return torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
-
-
 def reference(q, k_buf, v_buf, slots) -> torch.Tensor:
     """float32 attention of q [nq, H, D] over the keys at `slots`."""
     nq, heads, dim = q.shape
@@ -44,7 +40,10 @@ def reference(q, k_buf, v_buf, slots) -> torch.Tensor:
     k = k_buf[slots].float().repeat_interleave(group, 1)
     v = v_buf[slots].float().repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), k) * dim**-0.5
-    s = s.masked_fill(~visible_mask(nq, slots.numel()), float("-inf")).softmax(-1)
+    visible = end_aligned_mask(nq, slots.numel(), q.device)
+    if visible is None:  # no cached prefix: plain causal
+        visible = torch.ones(nq, nq, dtype=torch.bool).tril()
+    s = s.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", s, v)
 
 
@@ -57,7 +56,7 @@ def torch_path(q, k_buf, v_buf, slots, expand: bool = False) -> torch.Tensor:
     if expand:
         group = q.shape[1] // k.shape[0]
         k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-    mask = None if nq == nk else visible_mask(nq, nk)
+    mask = end_aligned_mask(nq, nk, q.device)
     q, k, v = (t.contiguous() for t in (q.transpose(0, 1), k, v))
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=not expand
@@ -93,7 +92,7 @@ def main() -> int:
         nq, nk = (int(n) for n in shape.split("x"))
         slots = torch.randperm(args.slots)[:nk]
         q = torch.randn(nq, heads, dim, dtype=torch.bfloat16)
-        flops = 4 * heads * dim * int(visible_mask(nq, nk).sum())
+        flops = 4 * heads * dim * (nq * (nk - nq) + nq * (nq + 1) // 2)  # visible pairs
         t_kernel = per_call(partial(kernel, q, k_buf, v_buf, slots), args.repeat)
         t_torch = per_call(partial(torch_path, q, k_buf, v_buf, slots), args.repeat)
         t_expand = per_call(partial(torch_path, q, k_buf, v_buf, slots, True), args.repeat)

@@ -17,6 +17,7 @@ loads on a machine without them.
 from __future__ import annotations
 
 import bisect
+import itertools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,9 +76,7 @@ class AttentionBatch:
         """The batch of the queries at `rows` (rows of the flattened batch) alone, in that
         order: each one new token over the keys it sees here (the query at offset j of
         sequence i's chunk sees the first `kv_lens[i] - q_lens[i] + j + 1` of them)."""
-        starts = [0]
-        for q_len in self.q_lens:
-            starts.append(starts[-1] + q_len)
+        starts = list(itertools.accumulate(self.q_lens, initial=0))
         seqs, kv_lens = [], []
         for row in rows:
             i = bisect.bisect_right(starts, row) - 1

@@ -132,7 +132,6 @@ static inline __mmask16 first(int64_t n) {  /* the first n (clamped to 0..16) of
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
-
 static const uint32_t ZERO_ROW[16];  /* the words of a key past nk */
 
 /* KV head h of the keys at slots (nk of them) packed: K as [blocks][D/2][KB] pair words (two
