@@ -1,11 +1,13 @@
 """Freed activation memory stays in the engine's heap (`worker.heap`): once the heap has grown,
-a cold prefill pass of the real model faults no pages in.
+a cold prefill pass of the real model does not fault its activations in again.
 
 Each run is a fresh interpreter, since the thresholds are the process's: an engine on
 SmolLM2-135M-Instruct (bf16, one thread) prefills cold 560-token prompts, and the minor page
 faults of the last ones are counted. With the engine's call switched off (`off`, kept for
 checking this test), glibc hands those activations back in about half of the runs here and
-faults them in again: 1,500-22,000 pages per prompt.
+faults them in again: 1,500-22,000 pages per prompt. With the call on, a later prompt still
+faults a few hundred pages in now and then (147-289, in some runs here and in CI), so the bound
+sits between the two.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ for i in range(6):
 print(json.dumps(faults))
 """
 
+# fewer pages than one cold prompt's activations fault in when glibc has handed them back
+ACTIVATION_PAGES = 1000
+
 
 def cold_prompt_faults(model: str, mode: str) -> list[int]:
     out = subprocess.run(
@@ -57,4 +62,5 @@ def test_cold_prefill_passes_reuse_the_heap():
         pytest.skip("not glibc: the process's allocator keeps its own policy")
     model = str(require_smollm2_dir())
     faults = cold_prompt_faults(model, "on")
-    assert max(faults[3:]) < 200, faults  # the heap is grown: no page faulted in again
+    # the heap is grown: no prompt's activations (>= 1,500 pages) faulted in again
+    assert max(faults[3:]) < ACTIVATION_PAGES, faults
