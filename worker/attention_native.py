@@ -14,11 +14,11 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
   the KV a per-sequence gather reads.
-- In bfloat16, where `worker.decode_kernel` builds, every decode batch goes through that C
-  kernel instead: the same groups as segments of key slots read from the pool in place (and
-  each sequence's own keys as one more), one online softmax per query across its segments (no
-  gather, mask or merge). One sequence over 1k keys: 11-12 ms of a SmolLM2 step on torch's
-  path, ~3 ms in the kernel.
+- Over a bfloat16 or float32 pool, where `worker.decode_kernel` builds, every decode batch
+  goes through that C kernel instead: the same groups as segments of key slots read from the
+  pool in place (and each sequence's own keys as one more), one online softmax per query
+  across its segments (no gather, mask or merge). One sequence over 1k keys: 11-12 ms of a
+  bf16 SmolLM2 step on torch's path, ~3 ms in the kernel.
 - Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
 - Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
   to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
@@ -51,7 +51,7 @@ class NativeAttention(AttentionBackend):
         plan = batch.plan.get("native")
         if plan is None:
             use = self.use_kernel and decode_kernel.supports(q, k_buf)
-            kernel = decode_kernel.load() if use else None
+            kernel = decode_kernel.load(q.dtype) if use else None
             plan = _NativePlan.build(batch, kv_pool.num_kv_heads, kernel)
             batch.plan["native"] = plan
         if plan.all_decode:

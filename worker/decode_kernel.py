@@ -1,4 +1,5 @@
-"""A CPU decode-attention kernel in C that reads the bfloat16 KV pool in place, built at first use.
+"""A CPU decode-attention kernel in C that reads the KV pool (bfloat16 or float32) in place, built
+at first use, once per pool dtype.
 
 Torch's CPU flash kernel is tuned for long query blocks; a decode step hands it one query per
 sequence (a few query heads per KV head), and then its fixed cost per (sequence, head) and its
@@ -7,8 +8,8 @@ per-key work dominate, and the KV has to be gathered out of the pool first. This
 queries attend to them. Each query keeps an online-softmax state (running max, sum, float32
 accumulator) across the segments it takes part in, so a group's shared prefix (one segment, all
 its members' queries) and each member's own keys (one segment each) need no separate merge,
-mask or padding. Scores, softmax and the weighted sum are float32; the weights are rounded to
-bfloat16 (as torch's flash kernel does) and the output once.
+mask or padding. Scores, softmax and the weighted sum are float32; over a bfloat16 pool the
+weights are rounded to bfloat16 (as torch's flash kernel does) and the output once.
 
 Where the CPU has AVX512-BF16, q.k and p.V take bf16 pairs (`vdpbf16ps`: products exact, sums
 in float32). A segment's keys go by in tiles of 32, each slot's row read once for every KV head
@@ -16,8 +17,9 @@ in float32). A segment's keys go by in tiles of 32, each slot's row read once fo
 words, then per head the scores of all its queries, their softmax over the tile, and p @ V
 (V read from the pool and unpacked into pairs of keys on the way), up to six queries sharing
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
-work, so the memory reads overlap the arithmetic. Elsewhere the same segments and online
-softmax run on float32 vectors, a KV head at a time, in blocks of 512 keys.
+work, so the memory reads overlap the arithmetic. Elsewhere, and always over a float32 pool
+(the dtype of CPUs without bf16 units), the same segments and online softmax run on float32
+vectors, a KV head at a time, in blocks of 512 keys: plain C the compiler vectorizes.
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ SOURCE = c_library.BF16_SCALARS + c_library.AVX512_EXP + r"""
 #define QB 6     /* queries per register block (G = 3: a sequence's, or two sequences') */
 #define AHEAD 4  /* tiles between a slot's prefetch and its use */
 
-#ifdef __AVX512BF16__
+#ifdef KV_F32  /* built for a float32 pool */
+typedef float kv_t;
+#define KV_LOAD(x) (x)
+#define KV_ROUND(x) (x)
+#define KV_STORE(x) (x)
+#else  /* bfloat16 bits */
+typedef uint16_t kv_t;
+#define KV_LOAD(x) bf16_to_f32(x)
+#define KV_ROUND(x) round_bf16(x)
+#define KV_STORE(x) f32_to_bf16(x)
+#endif
+
+#if defined(__AVX512BF16__) && !defined(KV_F32)
 /* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
    a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
    the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
@@ -378,29 +392,50 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     return 0;
 }
 #else
-/* Elsewhere: float32 vectors, a KV head at a time, keys in softmax blocks of KVS. */
+/* Elsewhere, and for a float32 pool: float32 vectors, a KV head at a time, keys in softmax
+   blocks of KVS. */
 #define KVS 512
+#define PF_KEYS 16  /* keys between a row's prefetch and its use */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
 
 
 /* Scores of the nq queries qf [nqp, D] (scaled, nqp a multiple of 4) against nb <= KB keys
-   at slots sl, head h, into sc[i * KVS + j]; the keys' values, as float32, into vf [KB, D]. */
-static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t *kpool,
-                       const uint16_t *vpool, const int64_t *sl, int64_t nb, int64_t KVH,
-                       int64_t h, int64_t D, float *kt, float *vf, float *sc) {
+   at slots sl, head h, into sc[i * KVS + j]; each key's value row as float32 into vr[j]: the
+   pool's own row (float32 pool), or its copy in vf [KB, D]. */
+static void score_tile(const float *qf, int64_t nq, int64_t nqp, const kv_t *kpool,
+                       const kv_t *vpool, const int64_t *sl, int64_t nb, int64_t left,
+                       int64_t KVH, int64_t h, int64_t D, float *kt, const float **vr,
+                       float *vf, float *sc) {
     const int64_t DV = D / 16;
-    const uint16_t *kr[KB];
+    const kv_t *kr[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
         kr[j] = kpool + off;
-        for (int64_t d = 0; d < D; d++) vf[j * D + d] = bf16_to_f32(vpool[off + d]);
+        if (j + PF_KEYS < left) {  /* the rows of a key PF_KEYS on: memory reads overlap */
+            const char *kp = (const char *)(kpool + (sl[j + PF_KEYS] * KVH + h) * D);
+            const char *vp = (const char *)(vpool + (sl[j + PF_KEYS] * KVH + h) * D);
+            for (int64_t b = 0; b < D * (int64_t)sizeof(kv_t); b += 64) {
+                __builtin_prefetch(kp + b, 0, 2);  /* into L2: more misses in flight */
+                __builtin_prefetch(vp + b, 0, 2);
+            }
+        }
+#ifdef KV_F32
+        vr[j] = vpool + off;
+#else
+        for (int64_t d = 0; d < D; d++) vf[j * D + d] = KV_LOAD(vpool[off + d]);
+        vr[j] = vf + j * D;
+#endif
     }
-    if (nq <= 4) {  /* few queries: a dot product per key row, no transposed copy */
+    if (nq <= 8) {  /* few queries: a dot product per key row, no transposed copy */
         for (int64_t j = 0; j < nb; j++) {
+#ifdef KV_F32
+            const v16u *kv = (const v16u *)kr[j];
+#else
             float *krow = kt + j % 2 * D;
-            for (int64_t d = 0; d < D; d++) krow[d] = bf16_to_f32(kr[j][d]);
+            for (int64_t d = 0; d < D; d++) krow[d] = KV_LOAD(kr[j][d]);
             const v16 *kv = (const v16 *)krow;
+#endif
             for (int64_t i = 0; i < nq; i++) {
                 const v16 *qv = (const v16 *)(qf + i * D);
                 v16 t = qv[0] * kv[0];
@@ -413,7 +448,7 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t 
         return;
     }
     for (int64_t d = 0; d < D; d++)  /* K transposed to [D, KB] */
-        for (int64_t j = 0; j < KB; j++) kt[d * KB + j] = bf16_to_f32(kr[j][d]);
+        for (int64_t j = 0; j < KB; j++) kt[d * KB + j] = KV_LOAD(kr[j][d]);
     const v16 *ktv = (const v16 *)kt;
     for (int64_t i = 0; i < nqp; i += 4) {  /* 4 queries x 16 keys per register tile */
         for (int c = 0; c < KB / 16; c++) {
@@ -434,34 +469,58 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const uint16_t 
     }
 }
 
-/* acc [DV vectors] = acc * corr + sum_j p[j] * vf[j]. */
-static void weigh_values(const float *p, int64_t n, const v16 *vfv, int64_t DV, v16u *acc,
-                         float corr) {
-    for (int64_t dv = 0; dv < DV; dv++) {
+/* acc [DV vectors] = acc * corr + sum_j p[j] * vr[j], four vectors of dims per pass over the
+   rows (a head of 64 dims: one pass, each row read once). */
+static void weigh_values(const float *p, int64_t n, const float *const *vr, int64_t DV,
+                         v16u *acc, float corr) {
+    int64_t dv = 0;
+    for (; dv + 4 <= DV; dv += 4) {
+        v16 x0 = acc[dv] * corr, x1 = acc[dv + 1] * corr;
+        v16 x2 = acc[dv + 2] * corr, x3 = acc[dv + 3] * corr;
+        for (int64_t j = 0; j < n; j++) {
+            const v16u *v = (const v16u *)vr[j] + dv;
+            x0 += p[j] * v[0];
+            x1 += p[j] * v[1];
+            x2 += p[j] * v[2];
+            x3 += p[j] * v[3];
+        }
+        acc[dv] = x0;
+        acc[dv + 1] = x1;
+        acc[dv + 2] = x2;
+        acc[dv + 3] = x3;
+    }
+    for (; dv < DV; dv++) {
         v16 x = acc[dv] * corr;
-        for (int64_t j = 0; j < n; j++) x += p[j] * vfv[j * DV + dv];
+        for (int64_t j = 0; j < n; j++) x += p[j] * ((const v16u *)vr[j])[dv];
         acc[dv] = x;
     }
 }
 
-int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *vpool,
+int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
-                     float *state, uint16_t *out) {
+                     float *state, kv_t *out) {
     const int64_t G = H / KVH;
     int64_t max_nq = 4;
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     max_nq = (max_nq + 3) / 4 * 4;
-    size_t floats = max_nq * D + KB * D + KVS * D + max_nq * KVS;
+#ifdef KV_F32
+    const int64_t vf_floats = 0;  /* value rows are read where they lie */
+#else
+    const int64_t vf_floats = KVS * D;  /* float32 copies of a block's value rows */
+#endif
+    size_t floats = max_nq * D + KB * D + vf_floats + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);
-    if (!buf || !rows) {
+    const float **vr = malloc(sizeof(float *) * KVS);  /* a block's value rows */
+    if (!buf || !rows || !vr) {
         free(buf);
         free(rows);
+        free(vr);
         return 1;
     }
-    float *qf = buf, *kt = qf + max_nq * D, *vf = kt + KB * D, *sc = vf + KVS * D;
+    float *qf = buf, *kt = qf + max_nq * D, *vf = kt + KB * D, *sc = vf + vf_floats;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
     for (int64_t i = 0; i < B * H; i++) {
@@ -477,14 +536,14 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                 int64_t row = i < nq ? mem[i / G] * H + h * G + i % G : -1;
                 rows[i] = row;
                 for (int64_t d = 0; d < D; d++)
-                    qf[i * D + d] = row < 0 ? 0.0f : bf16_to_f32(q[row * D + d]) * scale;
+                    qf[i * D + d] = row < 0 ? 0.0f : KV_LOAD(q[row * D + d]) * scale;
             }
             for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
                 int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB)
                     score_tile(qf, nq, nqp, kpool, vpool, sl + b0 + t0,
-                               nbk - t0 < KB ? nbk - t0 : KB, KVH, h, D, kt, vf + t0 * D,
-                               sc + t0);
+                               nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
+                               kt, vr + t0, vf + t0 * D, sc + t0);
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
                     float *p = sc + i * KVS, mb = p[0];
                     int64_t row = rows[i];
@@ -492,23 +551,24 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
                     float m_new = mx[row] > mb ? mx[row] : mb;
                     float corr = exp_f32(mx[row] - m_new), psum = 0.0f;
                     for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
-                        float e = exp_f32(p[j] - m_new);  /* rounded to bfloat16 (as torch's */
-                        psum += e;                        /* flash kernel does) */
-                        p[j] = round_bf16(e);
+                        float e = exp_f32(p[j] - m_new);  /* in the pool's precision (bf16: */
+                        psum += e;                        /* as torch's flash kernel does) */
+                        p[j] = KV_ROUND(e);
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
-                    weigh_values(p, nbk, (const v16 *)vf, D / 16, (v16u *)(acc + row * D), corr);
+                    weigh_values(p, nbk, vr, D / 16, (v16u *)(acc + row * D), corr);
                 }
             }
         }
     }
     for (int64_t i = 0; i < B * H; i++) {
         float inv = 1.0f / sum[i];
-        for (int64_t d = 0; d < D; d++) out[i * D + d] = f32_to_bf16(acc[i * D + d] * inv);
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = KV_STORE(acc[i * D + d] * inv);
     }
     free(buf);
     free(rows);
+    free(vr);
     return 0;
 }
 #endif
@@ -518,7 +578,8 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
 class DecodeKernel:
     """The loaded library. `__call__` attends every decoding sequence over its segments."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype  # of the queries, the pool and the output
         fn = library.decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [
@@ -537,11 +598,11 @@ class DecodeKernel:
         segments: torch.Tensor,
         members: torch.Tensor,
     ) -> torch.Tensor:
-        """q [B, H, D] bf16 -> [B, H, D] bf16. `k_buf`/`v_buf` [S, KVH, D] bf16 (one layer of
-        the pool); `segments` int64 [n, 4] rows (offset into `slots`, key count, offset into
-        `members`, member count); `slots`, `members` int64. Every sequence must take part in
-        at least one segment with at least one key, and every slot must be a row of the pool
-        (the kernel reads what it is told to, unchecked)."""
+        """q [B, H, D] -> [B, H, D], `k_buf`/`v_buf` [S, KVH, D] (one layer of the pool), all
+        in the kernel's `dtype`; `segments` int64 [n, 4] rows (offset into `slots`, key count,
+        offset into `members`, member count); `slots`, `members` int64. Every sequence must
+        take part in at least one segment with at least one key, and every slot must be a row
+        of the pool (the kernel reads what it is told to, unchecked)."""
         b, heads, dim = q.shape
         kv_heads = k_buf.shape[1]
         q = q.contiguous()
@@ -559,20 +620,27 @@ class DecodeKernel:
 
 
 def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """Whether the kernel serves these tensors: CPU, bfloat16, a contiguous pool, a head
-    size that is a multiple of 16."""
+    """Whether a kernel serves these tensors: CPU, queries and pool both bfloat16 or both
+    float32, a contiguous pool, a head size that is a multiple of 16."""
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and k_buf.dtype == torch.bfloat16
+        and q.dtype in _SOURCES
+        and k_buf.dtype == q.dtype
         and k_buf.is_contiguous()
         and q.shape[-1] % 16 == 0
     )
 
 
+# per pool dtype: the library's name and source
+_SOURCES = {
+    torch.bfloat16: ("decode_attention", SOURCE),
+    torch.float32: ("decode_attention_f32", "#define KV_F32 1\n" + SOURCE),
+}
+
+
 @cache
-def load() -> DecodeKernel | None:
-    """The kernel, built on first use; None when it cannot be built here (no C compiler, a
-    build error)."""
-    library = c_library.build("decode_attention", SOURCE)
-    return DecodeKernel(library) if library is not None else None
+def load(dtype: torch.dtype = torch.bfloat16) -> DecodeKernel | None:
+    """The kernel for a pool of `dtype`, built on first use; None when it cannot be built here
+    (no C compiler, a build error)."""
+    library = c_library.build(*_SOURCES[dtype])
+    return DecodeKernel(library, dtype) if library is not None else None

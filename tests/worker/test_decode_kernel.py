@@ -2,10 +2,11 @@
 
 Against a float64 reference on random segment layouts (groups over a shared prefix, sequences
 over their own keys, any count of keys against the 32-key tiles and the float32 path's 512-key
-softmax blocks, head sizes with a 16-dim tail); the float32 path too (built here without
-AVX512-BF16); through the `native` backend against the `torch` reference; its fallback when it
-cannot be built; and on the real SmolLM2 weights in bfloat16 against HF transformers, decoding
-over a shared system prompt (the one path that takes it).
+softmax blocks, head sizes with a 16-dim tail), over a bfloat16 pool and over a float32 one
+(its own build); the bfloat16 build's float32 path too (built here without AVX512-BF16);
+through the `native` backend against the `torch` reference, in both dtypes; its fallback when
+it cannot be built; and on the real SmolLM2 weights in bfloat16 against HF transformers,
+decoding over a shared system prompt (the one path that takes it).
 """
 
 from __future__ import annotations
@@ -30,14 +31,26 @@ from worker.models import c_library
 
 BF16 = torch.bfloat16
 POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys
+# how far from float64 attention: bf16 weights and output within a few bf16 steps; float32
+# within float32 rounding of sums over up to ~3,700 keys
+TOLERANCE = {BF16: 1.5e-2, torch.float32: 2e-5}
+
+
+def load_or_skip(dtype):
+    k = decode_kernel.load(dtype)
+    if k is None:
+        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
+    return k
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = decode_kernel.load()
-    if k is None:
-        pytest.skip("the C decode kernel cannot be built here (no C compiler)")
-    return k
+    return load_or_skip(BF16)
+
+
+@pytest.fixture(scope="module")
+def kernel_f32():
+    return load_or_skip(torch.float32)
 
 
 def reference(q, k_buf, v_buf, seq_slots):
@@ -75,8 +88,15 @@ def test_kernel_matches_float64_attention_over_any_segments(kernel, layout):
     check_layout(kernel, layout)
 
 
+@settings(max_examples=30, deadline=None)
+@given(layout=layouts)
+def test_the_float32_pool_kernel_matches_float64_attention(kernel_f32, layout):
+    check_layout(kernel_f32, layout)
+
+
 def test_the_float32_path_matches_float64_attention(tmp_path):
-    """The kernel as built for a CPU without AVX512-BF16 (its float32 path), run here."""
+    """The bfloat16 kernel as built for a CPU without AVX512-BF16 (its float32 vector path),
+    run here."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         pytest.skip("no C compiler")
@@ -93,12 +113,13 @@ def test_the_float32_path_matches_float64_attention(tmp_path):
 
 
 def check_layout(kernel, layout):
-    """The kernel over a layout of `layouts` against float64 attention."""
+    """The kernel over a layout of `layouts` (a pool of the kernel's dtype) against float64
+    attention."""
     kvh, dim = layout["kv_heads"], layout["dim"]
     heads = kvh * layout["group"]
     gen = torch.Generator().manual_seed(layout["seed"])
-    k_buf = torch.randn(POOL, kvh, dim, generator=gen).to(BF16)
-    v_buf = torch.randn(POOL, kvh, dim, generator=gen).to(BF16)
+    k_buf = torch.randn(POOL, kvh, dim, generator=gen).to(kernel.dtype)
+    v_buf = torch.randn(POOL, kvh, dim, generator=gen).to(kernel.dtype)
     perm = torch.randperm(POOL, generator=gen)
     used, slots, rows, members, seq_slots = 0, [], [], [], []
     offset, own_rows = 0, []
@@ -121,18 +142,19 @@ def check_layout(kernel, layout):
         members.append(seq)
         slots.append(own)
         offset += own.numel()
-    q = torch.randn(len(seq_slots), heads, dim, generator=gen).to(BF16)
+    q = torch.randn(len(seq_slots), heads, dim, generator=gen).to(kernel.dtype)
     out = kernel(q, k_buf, v_buf, torch.cat(slots), torch.tensor(rows), torch.tensor(members))
+    assert out.dtype == kernel.dtype
     ref = reference(q, k_buf, v_buf, seq_slots)
-    # bfloat16 weights and output: within a few bf16 steps of the exact result
-    torch.testing.assert_close(out.double(), ref, atol=1.5e-2, rtol=1.5e-2)
+    tol = TOLERANCE[kernel.dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def shared_prefix_batch(seed: int, prefill: bool):
-    """A bf16 pool, decoding sequences over one shared prefix (and one that shares nothing),
-    optionally a prefill chunk in the same pass; the batch as the engine builds it."""
+def shared_prefix_batch(seed: int, prefill: bool, dtype=BF16):
+    """A pool of `dtype`, decoding sequences over one shared prefix (and one that shares
+    nothing), optionally a prefill chunk in the same pass; the batch as the engine builds it."""
     gen = torch.Generator().manual_seed(seed)
-    pool = random_pool(gen, POOL, 3, 64, BF16)
+    pool = random_pool(gen, POOL, 3, 64, dtype)
     perm = torch.randperm(POOL, generator=gen)
     prefix = perm[: MIN_SHARED + 700]
     seq_slots, q_lens, used = [], [], prefix.numel()
@@ -149,21 +171,24 @@ def shared_prefix_batch(seed: int, prefill: bool):
     return (pool, *pass_over(gen, seq_slots, q_lens, 9, pool))
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("prefill", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_native_backend_with_the_kernel_matches_the_reference(kernel, prefill, seed):
+def test_native_backend_with_the_kernel_matches_the_reference(dtype, prefill, seed):
+    kernel = load_or_skip(dtype)
     outs = {}
     for name in ("torch", "native"):
-        pool, batch, q, k, v = shared_prefix_batch(seed, prefill)
+        pool, batch, q, k, v = shared_prefix_batch(seed, prefill, dtype)
         backend = make_attention(name)
         outs[name] = backend.forward(q, k, v, 0, batch, pool).double()
         if name == "native":
             assert batch.plan["native"].kernel is kernel  # the group went through the kernel
-    torch.testing.assert_close(outs["native"], outs["torch"], atol=1.5e-2, rtol=1.5e-2)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(outs["native"], outs["torch"], atol=tol, rtol=tol)
 
 
 def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
-    monkeypatch.setattr(native.decode_kernel, "load", lambda: None)
+    monkeypatch.setattr(native.decode_kernel, "load", lambda dtype=BF16: None)
     monkeypatch.setattr(native.prefill_kernel, "load", lambda: None)
     pool, batch, q, k, v = shared_prefix_batch(0, prefill=True)
     out = NativeAttention().forward(q, k, v, 0, batch, pool)
@@ -183,6 +208,7 @@ def test_a_failed_build_leaves_the_kernel_off(monkeypatch, tmp_path):
     monkeypatch.setenv("RADIXRAY_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert decode_kernel.load.__wrapped__() is None
+    assert decode_kernel.load.__wrapped__(torch.float32) is None
     monkeypatch.setenv("CC", "no-such-compiler-here")
     assert decode_kernel.load.__wrapped__() is None
 
