@@ -64,8 +64,8 @@ class EngineConfig:
     # default: the first pass compiles for tens of seconds on a small CPU, and a decode step
     # gains little (float32) or 0-10% (bfloat16 with packed linears; docs/engine.md)
     compile: bool = False
-    # CPU bfloat16/float16: linears through oneDNN with weights packed once at load (the same
-    # bits, faster at decode sizes; see worker.models.packed), eager and compiled
+    # CPU bfloat16/float16/float32: linears through oneDNN with weights packed once at load
+    # (faster at decode sizes; see worker.models.packed), eager and compiled
     pack_weights: bool = True
     # schedule step N+1 while the forward pass of step N runs (module docstring); off by
     # default: on a CPU the scheduling is a few % of a step (docs/engine.md)

@@ -52,20 +52,25 @@ def test_only_the_live_weight_itself_finds_its_packed_copy():
     assert torch.equal(linear(x, alias, None), F.linear(x, alias))
 
 
-def test_float32_weights_stay_unpacked():
-    layer = nn.Linear(8, 8)
-    assert pack_linears(layer) == 0 and not hasattr(layer, "packed")
+def test_float32_weights_are_packed_too():
+    layer = nn.Linear(64, 32)
+    assert pack_linears(layer) == 1 and packed_of(layer.weight) is layer.packed
+    assert layer.pairs is None  # the pair kernel is bf16 only
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 64)
+        got = linear(x, layer.weight, layer.bias)
+        # oneDNN sums in another order than F.linear (MKL): float32 rounding apart
+        torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
 
 
-def test_engine_greedy_output_is_the_same_with_packed_weights():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_engine_greedy_output_is_the_same_with_packed_weights(dtype):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     outs = []
     for pack in (False, True):
-        engine = Engine(
-            EngineConfig(model="tiny", dtype="bfloat16", kv_tokens=1024, pack_weights=pack)
-        )
+        engine = Engine(EngineConfig(model="tiny", dtype=dtype, kv_tokens=1024, pack_weights=pack))
         assert any(hasattr(m, "packed") for m in engine.model.modules()) == pack
         reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
         out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
