@@ -60,7 +60,7 @@ def test_odd_inputs_and_float32_weights_are_not_pair_packed():
     assert not pair_gemm.can_pack(torch.empty(8, 7, dtype=torch.bfloat16), None)
     assert not pair_gemm.can_pack(torch.empty(8, 8), None)
     layer = nn.Linear(7, 8, dtype=torch.bfloat16)
-    assert pack_linears(layer) == 1 and layer.pairs is None  # oneDNN's copy only
+    assert pack_linears(layer) == 1 and layer.few_rows is None  # oneDNN's copy only
     x = torch.randn(1, 7).to(torch.bfloat16)
     torch.testing.assert_close(linear(x, layer.weight, layer.bias), F.linear(x, layer.weight,
                                layer.bias), rtol=1e-2, atol=1e-2)
@@ -72,7 +72,7 @@ def test_linear_takes_the_kernel_for_few_rows_on_one_thread(monkeypatch):
     monkeypatch.setattr(pair_gemm.PairGemm, "__call__",
                         lambda self, x, *a: calls.append(x.shape) or real(self, x, *a))
     layer = nn.Linear(64, 128, bias=False, dtype=torch.bfloat16)
-    assert pack_linears(layer) == 1 and layer.pairs is not None
+    assert pack_linears(layer) == 1 and layer.few_rows is not None
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

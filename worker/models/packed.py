@@ -10,14 +10,15 @@ shapes (one thread, bf16), 1.3-2x for the layer projections at 1-32 rows and ~1.
 512. oneDNN sums in another order than MKL, so float32 results differ from HF's in the last
 bits (greedy output stays HF's in test_engine_hf_identity).
 
-In bfloat16 on one thread, a linear over a few rows (a decode batch: `pair_gemm.MAX_ROWS`)
-goes through `worker.models.pair_gemm` instead, where the CPU has AVX512-BF16: a C loop over a
-third copy of the weight, packed in pairs, that streams the weights faster than oneDNN does at
-those sizes (same bits but for a rare last-bit rounding); more rows, or more threads (oneDNN
-uses them all, the C loop one), stay on oneDNN.
+On one thread, a linear over a few rows (a decode batch: the kernel's `MAX_ROWS`) goes through
+a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the CPU has
+AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
+`worker.models.f32_gemm`. Each streams a third copy of the weight, packed for it, faster than
+oneDNN reads its own at those sizes; more rows, or more threads (oneDNN uses them all, the C
+loops one), stay on oneDNN.
 
 Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
-(`module.packed` and `module.pairs`, the price: two more copies of the linear weights in
+(`module.packed` and `module.few_rows`, the price: two more copies of the linear weights in
 memory) and are found by the dense weight's address in a registry. So the model's functions
 take plain tensors only, which `torch.compile` needs (an mkldnn tensor cannot be a graph
 input): under compile the linear is the custom op `radixray::packed_linear`, opaque to
@@ -34,16 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import worker.models.f32_gemm as f32_gemm
 import worker.models.pair_gemm as pair_gemm
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# per dtype, the C kernel for linears over a few rows on one thread: `can_pack(weight, bias)`,
+# `pack(weight)`, `load()` (None where it cannot run) and `MAX_ROWS`
+FEW_ROWS = {torch.bfloat16: pair_gemm, torch.float32: f32_gemm}
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 
 
 class _Packed(NamedTuple):
     owner: weakref.ref  # the dense weight, weakly
     onednn: torch.Tensor  # oneDNN's blocked layout
-    pairs: torch.Tensor | None  # `pair_gemm.pack`'s layout, where that kernel serves
+    few_rows: torch.Tensor | None  # the `FEW_ROWS` kernel's layout, where one serves
 
 
 # dense weight's data_ptr -> its packed copies. An entry counts only while its dense weight
@@ -69,11 +74,16 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(module, nn.Linear) and can_pack(module.weight):
             weight = module.weight.detach()
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
-            serves = pair_gemm.can_pack(weight, module.bias) and pair_gemm.load() is not None
-            module.pairs = pair_gemm.pack(weight) if serves else None
+            kernel = FEW_ROWS.get(weight.dtype)
+            serves = (
+                kernel is not None
+                and kernel.can_pack(weight, module.bias)
+                and kernel.load() is not None
+            )
+            module.few_rows = kernel.pack(weight) if serves else None
             ptr = weight.data_ptr()
             owner = weakref.ref(module.weight, _forget(ptr))
-            _REGISTRY[ptr] = _Packed(owner, module.packed, module.pairs)
+            _REGISTRY[ptr] = _Packed(owner, module.packed, module.few_rows)
             count += 1
     return count
 
@@ -120,12 +130,12 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if entry is None:
         return F.linear(x, weight, bias)
     if (
-        entry.pairs is not None  # then the kernel loaded
-        and x.numel() <= pair_gemm.MAX_ROWS * x.shape[-1]
-        and x.dtype == torch.bfloat16
+        entry.few_rows is not None  # then the weight's dtype has a kernel, and it loaded
+        and x.dtype == weight.dtype
+        and x.numel() <= FEW_ROWS[x.dtype].MAX_ROWS * x.shape[-1]
         and torch.get_num_threads() == 1
     ):
-        return pair_gemm.load()(x, entry.pairs, bias, weight.shape[0])
+        return FEW_ROWS[x.dtype].load()(x, entry.few_rows, bias, weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 

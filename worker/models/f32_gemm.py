@@ -1,0 +1,131 @@
+"""float32 linears over a few rows (decode batches) in C, the weight packed once.
+
+The float32 counterpart of `worker.models.pair_gemm`, for CPUs that serve float32 (those
+without bf16 units, where `auto` keeps a float32 checkpoint's dtype). A decode step reads every
+weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them at
+~10-16 GB/s on one Zen 4 core at 1-8 rows; this kernel keeps the stream near the core's ~25:
+the weight is packed once (`pack`) into groups of 64 outputs, input by input within a group
+(`[O/64][K][64]`), so each input's 64 weights are four consecutive 64-byte vectors, multiplied
+by that input broadcast and added into the group's float32 sums. A block of up to `TILE` rows
+shares each load (6 with AVX-512: 24 sums in registers; 2 elsewhere, where a vector register
+holds 8 floats). Plain C on GCC's vector types, so it builds for any x86 or Arm CPU. Measured
+by `bench/bench_linears.py --dtype float32` on SmolLM2-135M's layer shapes (one thread, 30
+layers' weights from memory): see docs/engine.md.
+
+Each output is one float32 sum over the inputs in order, then the bias, however many rows share
+the call (a row's result does not depend on the rows beside it): not oneDNN's order, so results
+differ from its in the last bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+
+import torch
+
+import worker.models.c_library as c_library
+
+MAX_ROWS = 32  # up to this many rows a linear takes this kernel; more go to oneDNN
+GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
+
+SOURCE = r"""
+#include <stdint.h>
+typedef float v16 __attribute__((vector_size(64)));
+#define NB 4  /* vectors of 16 outputs per group */
+#ifdef __AVX512F__
+#define TILE 6  /* rows per block: 6 x 4 sums and the 4 weight vectors in 32 registers */
+#else
+#define TILE 2
+#endif
+
+/* n (1..TILE) rows at once: each weight load serves them all. One row has only its four sums
+   in flight, which still retire a 64-byte vector a cycle or so: far more than memory gives. */
+static void rows_block(const float *x, int64_t k, const float *wg, int n, v16 *res) {
+    v16 acc[TILE][NB] = {{0}};
+    for (int64_t p = 0; p < k; p++) {
+        const v16 *w = (const v16 *)(wg + p * NB * 16);
+        v16 wv[NB];
+        for (int b = 0; b < NB; b++) wv[b] = w[b];
+        for (int i = 0; i < TILE; i++) {
+            if (i >= n) break;
+            float xv = x[i * k + p];
+            for (int b = 0; b < NB; b++) acc[i][b] += xv * wv[b];
+        }
+    }
+    for (int i = 0; i < n; i++)
+        for (int b = 0; b < NB; b++) res[i * NB + b] = acc[i][b];
+}
+
+/* out[rows, o] = x[rows, k] . w^T (+ bias): x float32 row-major, w packed as
+   [ceil(o/64)][k][64] float32 (outputs past o are zero), bias float32 [o] or NULL. */
+void f32_linear(const float *x, const float *w, const float *bias, float *out, int64_t rows,
+                int64_t k, int64_t o) {
+    int64_t groups = (o + 63) / 64;
+    v16 res[TILE * NB];
+    for (int64_t g = 0; g < groups; g++) {
+        const float *wg = w + g * k * 64;
+        int64_t valid = o - g * 64 < 64 ? o - g * 64 : 64;
+        for (int64_t r = 0; r < rows;) {
+            int64_t n = rows - r >= TILE ? TILE : rows - r;
+            rows_block(x + r * k, k, wg, (int)n, res);
+            for (int64_t i = 0; i < n; i++) {
+                const float *s = (const float *)(res + i * NB), *bg = bias ? bias + g * 64 : 0;
+                float *dst = out + (r + i) * o + g * 64;
+                for (int64_t j = 0; j < valid; j++) dst[j] = s[j] + (bg ? bg[j] : 0.0f);
+            }
+            r += n;
+        }
+    }
+}
+"""
+
+
+class F32Gemm:
+    """The loaded library: `__call__` is the linear over a weight made by `pack`."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.f32_linear
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        self._fn = fn
+
+    def __call__(
+        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
+        """x [..., K] float32 (at most `MAX_ROWS` rows) -> [..., out_features] float32."""
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k).contiguous()
+        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+        self._fn(
+            x2.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            out.data_ptr(), x2.shape[0], k, out_features,
+        )  # fmt: skip
+        return out
+
+
+def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A CPU float32 [O, K] weight (and a contiguous float32 bias, if any)."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[O, K] -> the kernel's layout `[ceil(O/64), K, 64]`, outputs past O zero."""
+    o, k = weight.shape
+    padded = -(-o // GROUP) * GROUP
+    w = weight.detach()
+    if padded != o:
+        w = torch.cat([w, w.new_zeros(padded - o, k)])
+    return w.view(padded // GROUP, GROUP, k).transpose(1, 2).contiguous()
+
+
+@cache
+def load() -> F32Gemm | None:
+    """The kernel, built on first use; None where it cannot be built (no C compiler)."""
+    library = c_library.build("f32_linear", SOURCE)
+    return F32Gemm(library) if library is not None else None
