@@ -1,7 +1,8 @@
-"""The C element-wise loops of a bf16 layer (`worker.models.fused_ops`) against torch's eager
-ops: RoPE and the residual add bit for bit, SiLU * up and the norms up to a bf16 step or two
-in rare values (the exp inside SiLU and the order of a norm's sum of squares differ), and a
-tiny bf16 engine decoding the same tokens with and without them."""
+"""The C element-wise loops of a layer (`worker.models.fused_ops`) against torch's eager ops: in
+bf16, RoPE and the residual add bit for bit, SiLU * up and the norms up to a bf16 step or two
+in rare values (the exp inside SiLU and the order of a norm's sum of squares differ); in
+float32 (its own build), the residual add bit for bit and the rest within float32 rounding;
+and a tiny engine decoding the same tokens with and without them, in both dtypes."""
 
 from __future__ import annotations
 
@@ -21,12 +22,21 @@ from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def ops():
-    loaded = fused_ops.load()
+def load_or_skip(dtype):
+    loaded = fused_ops.load(dtype)
     if loaded is None:
         pytest.skip("no C compiler here: the layer runs torch's ops")
     return loaded
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return load_or_skip(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def ops32():
+    return load_or_skip(torch.float32)
 
 
 def eager_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -102,6 +112,42 @@ def test_silu_mul_is_eagers_up_to_a_last_bit(ops, rows, m, seed):
     assert float((got == want).float().mean()) > 0.999
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    n=st.sampled_from([16, 64, 576, 1000]),
+    scale=st.sampled_from([1e-3, 1.0, 30.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_loops_are_eagers_within_float32_rounding(ops32, rows, n, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x, res = torch.randn(rows, n, generator=gen) * scale, torch.randn(rows, n, generator=gen)
+    w = torch.randn(n, generator=gen)
+    close = {"rtol": 2e-6, "atol": 1e-6 * scale}
+    torch.testing.assert_close(ops32.rms_norm(x, w, 1e-5), eager_norm(x, w, 1e-5), **close)
+    total, normed = ops32.add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(total, x + res)  # one rounding of one add, as torch's
+    torch.testing.assert_close(normed, eager_norm(x + res, w, 1e-6), **close)
+    gate_up = torch.randn(rows, 2 * n, generator=gen) * 4.0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops32.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    num_heads, num_kv, head_dim = 9, 3, 64
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv) * head_dim, generator=gen) * 3.0
+    rope = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))
+    positions = torch.tensor(random.Random(seed).sample(range(100_000), rows))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    q, k = ops32.rope(qkv, num_heads, num_kv, head_dim, cos, sin)
+    q_size, kv_size = num_heads * head_dim, num_kv * head_dim
+    want_q, want_k = RotaryEmbedding.apply(
+        qkv[:, :q_size].reshape(rows, num_heads, head_dim),
+        qkv[:, q_size : q_size + kv_size].reshape(rows, num_kv, head_dim),
+        cos,
+        sin,
+    )
+    torch.testing.assert_close(q, want_q, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k, want_k, rtol=2e-6, atol=2e-6)
+
+
 def test_special_values_pass_through(ops):
     x = torch.tensor([[float("nan")] + [1.0] * 15, [0.0] * 16], dtype=torch.bfloat16)
     out = ops.rms_norm(x, torch.ones(16, dtype=torch.bfloat16), 1e-5)
@@ -114,9 +160,11 @@ def test_special_values_pass_through(ops):
     assert torch.equal(got.nan_to_num(), want.nan_to_num())  # exp's overflow at ~88.7 as torch's
 
 
-def test_serves_only_bf16_cpu_activations_and_small_batches_on_many_threads(ops, monkeypatch):
+def test_serves_bf16_and_float32_cpu_activations_and_small_batches_on_many_threads(
+    ops, ops32, monkeypatch
+):
     assert fused_ops.serves(torch.zeros(4, 8, dtype=torch.bfloat16)) is ops
-    assert fused_ops.serves(torch.zeros(4, 8)) is None  # float32: torch's ops (HF's bits)
+    assert fused_ops.serves(torch.zeros(4, 8)) is ops32
     assert fused_ops.serves(torch.zeros(4, 8, dtype=torch.float16)) is None
     big = torch.zeros(fused_ops.PARALLEL_ROWS + 1, 8, dtype=torch.bfloat16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -147,10 +195,11 @@ def test_the_layer_takes_the_loops_in_bf16(ops, monkeypatch):
     assert llama.rms_norm(torch.zeros(2, 4), torch.ones(4), 1e-5).dtype == torch.float32
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_engine_greedy_output_with_the_loops_is_eagers(monkeypatch, page_size):
-    """A tiny bf16 model decoding with and without the loops: the same tokens, mixed prefill
-    and decode batches, a prompt over 2k tokens and two behind one shared prefix included."""
+def test_engine_greedy_output_with_the_loops_is_eagers(monkeypatch, page_size, dtype):
+    """A tiny model decoding with and without the loops: the same tokens, mixed prefill and
+    decode batches, a prompt over 2k tokens and two behind one shared prefix included."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 3, 2100)]
     shared = [rng.randrange(3, 1000) for _ in range(300)]
@@ -161,7 +210,7 @@ def test_engine_greedy_output_with_the_loops_is_eagers(monkeypatch, page_size):
         if not use:
             monkeypatch.setattr(fused_ops, "serves", lambda x: None)
         engine = Engine(EngineConfig(
-            model="tiny", dtype="bfloat16", kv_tokens=8192, page_size=page_size))  # fmt: skip
+            model="tiny", dtype=dtype, kv_tokens=8192, page_size=page_size))  # fmt: skip
         reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
         out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
         outs.append([out[r.request_id].token_ids for r in reqs])

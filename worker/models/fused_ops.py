@@ -1,11 +1,11 @@
-"""A layer's element-wise work in C for bfloat16 on CPU: RMSNorm (after the residual add),
-RoPE, SwiGLU.
+"""A layer's element-wise work in C for bfloat16 and float32 on CPU: RMSNorm (after the residual
+add), RoPE, SwiGLU.
 
 Between its linears a decoder layer runs some thirty small torch ops (casts, powers, means,
 products, concatenations), each a dispatch and an allocation: at decode batch sizes their fixed
 cost, not their arithmetic, is the time (several ms of a SmolLM2 step). Here each of the four
-pieces is one C loop over the rows, and it rounds where torch's eager ops round, so the results
-are eager's bits but for the order of a norm's sum of squares and the exp inside SiLU:
+pieces is one C loop over the rows. In bfloat16 it rounds where torch's eager ops round, so the
+results are eager's bits but for the order of a norm's sum of squares and the exp inside SiLU:
 
 - `rms_norm`: `weight * bf16(x32 * rsqrt(mean(x32^2) + eps))`, optionally after `x = bf16(x +
   residual)` (the residual add before the post-attention norm, whose sum it also returns).
@@ -13,10 +13,17 @@ are eager's bits but for the order of a norm's sum of squares and the exp inside
   k, read straight out of the fused qkv projection, written contiguous.
 - `silu_mul`: `bf16(bf16(silu(gate)) * up)` from the fused gate/up projection.
 
+The float32 build (`load(torch.float32)`, the same source with `ACT_F32`) computes the same
+formulas without the roundings, so its results are within float32 rounding of eager's (the
+compiler may fuse a product into an add, the norm's sum and the exp run in their own order).
+A float32 SmolLM2 decode step with them: 0.92x the time at 1 request, 0.81x at 8, 0.95x at 32
+(docs/engine.md, "Float32 decode").
+
 Built at first use by `worker.models.c_library` (plain C that the compiler vectorizes for this
-CPU); `serves(x)` is false when it cannot be built, for another dtype or device, inside a
-`torch.compile` graph (inductor fuses the same ops there), or when torch runs several threads
-over a batch of many rows (torch's ops use them, these loops one); the layer then runs torch.
+CPU), once per dtype; `serves(x)` is None when they cannot be built, for another dtype or
+device, inside a `torch.compile` graph (inductor fuses the same ops there), or when torch runs
+several threads over a batch of many rows (torch's ops use them, these loops one); the layer
+then runs torch.
 """
 
 from __future__ import annotations
@@ -31,51 +38,64 @@ import worker.models.c_library as c_library
 PARALLEL_ROWS = 64  # with several torch threads, batches of more rows stay on torch's ops
 
 SOURCE = c_library.BF16_SCALARS + r"""
-/* rows x n: out = w * bf16(x * rsqrt(mean(x^2) + eps)). With res: x = bf16(x + res) first,
-   stored to sum. Every row is n contiguous values; x, res, sum, out rows are n apart. */
-void rms_norm(const uint16_t *x, const uint16_t *res, uint16_t *sum, const uint16_t *w,
-              uint16_t *out, int64_t rows, int64_t n, float eps) {
+#ifdef ACT_F32  /* built for float32 activations: no rounding between the steps */
+typedef float act_t;
+#define A_LOAD(x) (x)
+#define A_ROUND(x) (x)
+#define A_STORE(x) (x)
+#else  /* bfloat16 bits, rounded where torch's eager ops round */
+typedef uint16_t act_t;
+#define A_LOAD(x) bf16_to_f32(x)
+#define A_ROUND(x) round_bf16(x)
+#define A_STORE(x) f32_to_bf16(x)
+#endif
+
+/* rows x n: out = w * A(x * rsqrt(mean(x^2) + eps)), A the activations' rounding (to bf16;
+   none in float32). With res: x = A(x + res) first, stored to sum. Every row is n contiguous
+   values; x, res, sum, out rows are n apart. */
+void rms_norm(const act_t *x, const act_t *res, act_t *sum, const act_t *w, act_t *out,
+              int64_t rows, int64_t n, float eps) {
     float buf[n];
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * n;
+        const act_t *xr = x + r * n;
         float ss = 0.0f;
         if (res) {
-            const uint16_t *rr = res + r * n;
-            uint16_t *sr = sum + r * n;
+            const act_t *rr = res + r * n;
+            act_t *sr = sum + r * n;
             for (int64_t i = 0; i < n; i++) {
-                uint16_t s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
+                act_t s = A_STORE(A_LOAD(xr[i]) + A_LOAD(rr[i]));
                 sr[i] = s;
-                buf[i] = bf16_to_f32(s);
+                buf[i] = A_LOAD(s);
             }
         } else {
-            for (int64_t i = 0; i < n; i++) buf[i] = bf16_to_f32(xr[i]);
+            for (int64_t i = 0; i < n; i++) buf[i] = A_LOAD(xr[i]);
         }
         for (int64_t i = 0; i < n; i++) ss += buf[i] * buf[i];
         float scale = 1.0f / __builtin_sqrtf(ss / (float)n + eps);
-        uint16_t *o = out + r * n;
+        act_t *o = out + r * n;
         for (int64_t i = 0; i < n; i++)
-            o[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(buf[i] * scale));
+            o[i] = A_STORE(A_LOAD(w[i]) * A_ROUND(buf[i] * scale));
     }
 }
 
 /* One head x [d] rotated by cos/sin [d] into o (rotate half: o = x * cos + [-x2, x1] * sin). */
-static inline void rotate(const uint16_t *restrict x, const uint16_t *restrict c,
-                          const uint16_t *restrict s, uint16_t *restrict o, int64_t half) {
+static inline void rotate(const act_t *restrict x, const act_t *restrict c,
+                          const act_t *restrict s, act_t *restrict o, int64_t half) {
     for (int64_t i = 0; i < half; i++)
-        o[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])) +
-                           round_bf16(-bf16_to_f32(x[i + half]) * bf16_to_f32(s[i])));
+        o[i] = A_STORE(A_ROUND(A_LOAD(x[i]) * A_LOAD(c[i])) +
+                       A_ROUND(-A_LOAD(x[i + half]) * A_LOAD(s[i])));
     for (int64_t i = half; i < 2 * half; i++)
-        o[i] = f32_to_bf16(round_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])) +
-                           round_bf16(bf16_to_f32(x[i - half]) * bf16_to_f32(s[i])));
+        o[i] = A_STORE(A_ROUND(A_LOAD(x[i]) * A_LOAD(c[i])) +
+                       A_ROUND(A_LOAD(x[i - half]) * A_LOAD(s[i])));
 }
 
 /* The rotate-half RoPE of the q and k heads of rows of the fused projection qkv (row stride
    ld: H query heads, then KVH key heads, of d each), at cos/sin [rows, d], into q [rows, H, d]
    and k [rows, KVH, d]. */
-void rope(const uint16_t *qkv, int64_t ld, int64_t rows, int64_t H, int64_t KVH, int64_t d,
-          const uint16_t *cos, const uint16_t *sin, uint16_t *q, uint16_t *k) {
+void rope(const act_t *qkv, int64_t ld, int64_t rows, int64_t H, int64_t KVH, int64_t d,
+          const act_t *cos, const act_t *sin, act_t *q, act_t *k) {
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *c = cos + r * d, *s = sin + r * d;
+        const act_t *c = cos + r * d, *s = sin + r * d;
         for (int64_t h = 0; h < H; h++)
             rotate(qkv + r * ld + h * d, c, s, q + (r * H + h) * d, d / 2);
         for (int64_t h = 0; h < KVH; h++)
@@ -83,14 +103,14 @@ void rope(const uint16_t *qkv, int64_t ld, int64_t rows, int64_t H, int64_t KVH,
     }
 }
 
-/* out [rows, m] = bf16(bf16(silu(gate)) * up), gate and up the halves of gu [rows, 2m]. */
-void silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t m) {
+/* out [rows, m] = A(A(silu(gate)) * up), gate and up the halves of gu [rows, 2m]. */
+void silu_mul(const act_t *gu, act_t *out, int64_t rows, int64_t m) {
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *restrict g = gu + r * 2 * m, *restrict u = g + m;
-        uint16_t *restrict o = out + r * m;
+        const act_t *restrict g = gu + r * 2 * m, *restrict u = g + m;
+        act_t *restrict o = out + r * m;
         for (int64_t i = 0; i < m; i++) {
-            float x = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(x / (1.0f + exp_f32(-x))) * bf16_to_f32(u[i]));
+            float x = A_LOAD(g[i]);
+            o[i] = A_STORE(A_ROUND(x / (1.0f + exp_f32(-x))) * A_LOAD(u[i]));
         }
     }
 }
@@ -159,17 +179,25 @@ class FusedOps:
 def serves(x: torch.Tensor) -> FusedOps | None:
     """The loops, where they serve the activations `x` [T, n] (see the module docstring)."""
     if (
-        x.dtype != torch.bfloat16
+        x.dtype not in _SOURCES
         or x.device.type != "cpu"
         or torch.compiler.is_compiling()
         or (x.shape[0] > PARALLEL_ROWS and torch.get_num_threads() > 1)
     ):
         return None
-    return load()
+    return load(x.dtype)
+
+
+# per activation dtype: the library's name and source
+_SOURCES = {
+    torch.bfloat16: ("fused_ops", SOURCE),
+    torch.float32: ("fused_ops_f32", "#define ACT_F32 1\n" + SOURCE),
+}
 
 
 @cache
-def load() -> FusedOps | None:
-    """The loops, built on first use; None when they cannot be built here."""
-    library = c_library.build("fused_ops", SOURCE)
+def load(dtype: torch.dtype = torch.bfloat16) -> FusedOps | None:
+    """The loops for activations of `dtype`, built on first use; None when they cannot be
+    built here."""
+    library = c_library.build(*_SOURCES[dtype])
     return FusedOps(library) if library is not None else None
