@@ -19,7 +19,10 @@ words, then per head the scores of all its queries, their softmax over the tile,
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
 work, so the memory reads overlap the arithmetic. Elsewhere, and always over a float32 pool
 (the dtype of CPUs without bf16 units), the same segments and online softmax run on float32
-vectors, a KV head at a time, in blocks of 512 keys: plain C the compiler vectorizes.
+vectors, a KV head at a time, in blocks of 512 keys: plain C the compiler vectorizes. A segment
+of up to 8 queries per KV head takes a dot product per key row; more (a group over its shared
+prefix) hold 16 queries per vector against each key's dims broadcast, 16 keys at a time,
+transposed in registers into the queries' score rows.
 """
 
 from __future__ import annotations
@@ -396,17 +399,52 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
    blocks of KVS. */
 #define KVS 512
 #define PF_KEYS 16  /* keys between a row's prefetch and its use */
+#define DOT_QUERIES 8  /* segments of up to this many queries per KV head take dot products */
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
 
 
-/* Scores of the nq queries qf [nqp, D] (scaled, nqp a multiple of 4) against nb <= KB keys
-   at slots sl, head h, into sc[i * KVS + j]; each key's value row as float32 into vr[j]: the
-   pool's own row (float32 pool), or its copy in vf [KB, D]. */
-static void score_tile(const float *qf, int64_t nq, int64_t nqp, const kv_t *kpool,
-                       const kv_t *vpool, const int64_t *sl, int64_t nb, int64_t left,
-                       int64_t KVH, int64_t h, int64_t D, float *kt, const float **vr,
-                       float *vf, float *sc) {
+#ifdef __clang__
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t v16i __attribute__((vector_size(64)));
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#endif
+
+/* Rows r[i] and r[i + B] (i with bit B clear) swap their off-diagonal B-wide blocks. */
+#define SWAP_BLOCKS(r, B, LO, HI)                      \
+    for (int i = 0; i < 16; i++)                       \
+        if (!(i & B)) {                                \
+            v16 a = r[i], b = r[i + B];                \
+            r[i] = SHUFFLE(a, b, LO);                  \
+            r[i + B] = SHUFFLE(a, b, HI);              \
+        }
+#define P8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define Q8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define P4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define Q4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define P2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define Q2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define P1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define Q1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+
+/* r [16 rows of 16] transposed in place: off-diagonal blocks of 8, 4, 2, 1 swapped. */
+static inline void transpose16x16(v16 *r) {
+    SWAP_BLOCKS(r, 8, P8, Q8)
+    SWAP_BLOCKS(r, 4, P4, Q4)
+    SWAP_BLOCKS(r, 2, P2, Q2)
+    SWAP_BLOCKS(r, 1, P1, Q1)
+}
+
+/* Scores of the nq queries against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]
+   (for j up to nb rounded up to 16); each key's value row as float32 into vr[j]: the pool's own
+   row (float32 pool), or its copy in vf [KB, D]. The queries come scaled, as rows qf [nq, D]
+   and, where nq > DOT_QUERIES, transposed as qt [D, nqp] (nqp a multiple of 16, zero past
+   nq). */
+static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp,
+                       const kv_t *kpool, const kv_t *vpool, const int64_t *sl, int64_t nb,
+                       int64_t left, int64_t KVH, int64_t h, int64_t D, float *kt,
+                       const float **vr, float *vf, float *sc) {
     const int64_t DV = D / 16;
     const kv_t *kr[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
@@ -427,7 +465,7 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const kv_t *kpo
         vr[j] = vf + j * D;
 #endif
     }
-    if (nq <= 8) {  /* few queries: a dot product per key row, no transposed copy */
+    if (nq <= DOT_QUERIES) {  /* few queries: a dot product per key row */
         for (int64_t j = 0; j < nb; j++) {
 #ifdef KV_F32
             const v16u *kv = (const v16u *)kr[j];
@@ -447,24 +485,21 @@ static void score_tile(const float *qf, int64_t nq, int64_t nqp, const kv_t *kpo
         }
         return;
     }
-    for (int64_t d = 0; d < D; d++)  /* K transposed to [D, KB] */
-        for (int64_t j = 0; j < KB; j++) kt[d * KB + j] = KV_LOAD(kr[j][d]);
-    const v16 *ktv = (const v16 *)kt;
-    for (int64_t i = 0; i < nqp; i += 4) {  /* 4 queries x 16 keys per register tile */
-        for (int c = 0; c < KB / 16; c++) {
-            v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-            const float *q0 = qf + i * D;
+    /* Many queries: 16 at a time in a vector, each key's dims broadcast against them (no
+       transposed copy of K), 16 keys per pass over the dims; the 16 x 16 scores (keys x
+       queries) are transposed in registers into the queries' rows of sc. */
+    const v16 *qtv = (const v16 *)qt;
+    const int64_t NV = nqp / 16;
+    for (int64_t c = 0; c < NV; c++) {
+        int64_t n = nq - c * 16 < 16 ? nq - c * 16 : 16;
+        for (int64_t j = 0; j < nb; j += 16) {  /* kr[] has KB (a multiple of 16) rows */
+            v16 s[16] = {{0}};
             for (int64_t d = 0; d < D; d++) {
-                v16 k = ktv[d * (KB / 16) + c];
-                s0 += q0[d] * k;
-                s1 += q0[D + d] * k;
-                s2 += q0[2 * D + d] * k;
-                s3 += q0[3 * D + d] * k;
+                v16 qv = qtv[d * NV + c];
+                for (int t = 0; t < 16; t++) s[t] += KV_LOAD(kr[j + t][d]) * qv;
             }
-            *(v16 *)(sc + i * KVS + c * 16) = s0;
-            *(v16 *)(sc + (i + 1) * KVS + c * 16) = s1;
-            *(v16 *)(sc + (i + 2) * KVS + c * 16) = s2;
-            *(v16 *)(sc + (i + 3) * KVS + c * 16) = s3;
+            transpose16x16(s);
+            for (int64_t l = 0; l < n; l++) *(v16u *)(sc + (c * 16 + l) * KVS + j) = s[l];
         }
     }
 }
@@ -501,16 +536,16 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
                      float *state, kv_t *out) {
     const int64_t G = H / KVH;
-    int64_t max_nq = 4;
+    int64_t max_nq = 16;
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
-    max_nq = (max_nq + 3) / 4 * 4;
+    max_nq = (max_nq + 15) / 16 * 16;
 #ifdef KV_F32
     const int64_t vf_floats = 0;  /* value rows are read where they lie */
 #else
     const int64_t vf_floats = KVS * D;  /* float32 copies of a block's value rows */
 #endif
-    size_t floats = max_nq * D + KB * D + vf_floats + max_nq * KVS;
+    size_t floats = 2 * max_nq * D + 2 * D + vf_floats + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);
     const float **vr = malloc(sizeof(float *) * KVS);  /* a block's value rows */
@@ -520,7 +555,8 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
         free(vr);
         return 1;
     }
-    float *qf = buf, *kt = qf + max_nq * D, *vf = kt + KB * D, *sc = vf + vf_floats;
+    float *qf = buf, *qt = qf + max_nq * D, *kt = qt + max_nq * D, *vf = kt + 2 * D;
+    float *sc = vf + vf_floats;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
     for (int64_t i = 0; i < B * H; i++) {
@@ -530,18 +566,21 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
         const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
-        const int64_t nqp = (nq + 3) / 4 * 4;
+        const int64_t nqp = (nq + 15) / 16 * 16;
         for (int64_t h = 0; h < KVH; h++) {
-            for (int64_t i = 0; i < nqp; i++) {  /* the segment's queries of head group h */
-                int64_t row = i < nq ? mem[i / G] * H + h * G + i % G : -1;
+            for (int64_t i = 0; i < nq; i++) {  /* the segment's queries of head group h */
+                int64_t row = mem[i / G] * H + h * G + i % G;
                 rows[i] = row;
-                for (int64_t d = 0; d < D; d++)
-                    qf[i * D + d] = row < 0 ? 0.0f : KV_LOAD(q[row * D + d]) * scale;
+                for (int64_t d = 0; d < D; d++) qf[i * D + d] = KV_LOAD(q[row * D + d]) * scale;
             }
+            if (nq > DOT_QUERIES)  /* and transposed, zero past nq */
+                for (int64_t d = 0; d < D; d++)
+                    for (int64_t i = 0; i < nqp; i++)
+                        qt[d * nqp + i] = i < nq ? qf[i * D + d] : 0.0f;
             for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
                 int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB)
-                    score_tile(qf, nq, nqp, kpool, vpool, sl + b0 + t0,
+                    score_tile(qf, qt, nq, nqp, kpool, vpool, sl + b0 + t0,
                                nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
                                kt, vr + t0, vf + t0 * D, sc + t0);
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
