@@ -22,7 +22,8 @@ work, so the memory reads overlap the arithmetic. Elsewhere, and always over a f
 vectors, a KV head at a time, in blocks of 512 keys: plain C the compiler vectorizes. A segment
 of up to 8 queries per KV head takes a dot product per key row; more (a group over its shared
 prefix) hold 16 queries per vector against each key's dims broadcast, 16 keys at a time,
-transposed in registers into the queries' score rows.
+transposed in registers into the queries' score rows. p @ V takes four queries per pass over
+a block's value rows.
 """
 
 from __future__ import annotations
@@ -504,32 +505,43 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
     }
 }
 
-/* acc [DV vectors] = acc * corr + sum_j p[j] * vr[j], four vectors of dims per pass over the
-   rows (a head of 64 dims: one pass, each row read once). */
-static void weigh_values(const float *p, int64_t n, const float *const *vr, int64_t DV,
-                         v16u *acc, float corr) {
-    int64_t dv = 0;
-    for (; dv + 4 <= DV; dv += 4) {
-        v16 x0 = acc[dv] * corr, x1 = acc[dv + 1] * corr;
-        v16 x2 = acc[dv + 2] * corr, x3 = acc[dv + 3] * corr;
-        for (int64_t j = 0; j < n; j++) {
-            const v16u *v = (const v16u *)vr[j] + dv;
-            x0 += p[j] * v[0];
-            x1 += p[j] * v[1];
-            x2 += p[j] * v[2];
-            x3 += p[j] * v[3];
-        }
-        acc[dv] = x0;
-        acc[dv + 1] = x1;
-        acc[dv + 2] = x2;
-        acc[dv + 3] = x3;
-    }
-    for (; dv < DV; dv++) {
-        v16 x = acc[dv] * corr;
-        for (int64_t j = 0; j < n; j++) x += p[j] * ((const v16u *)vr[j])[dv];
-        acc[dv] = x;
-    }
+/* For NW queries w at once: acc_w [DV vectors] = acc_w * corr_w + sum_j p_w[j] * vr[j], four
+   vectors of dims per pass over the rows (a head of 64 dims: one pass), each row read once for
+   all NW: from L2 a row costs more than the NW x 4 products it feeds. */
+#define WEIGH(NW)                                                                          \
+static void weigh_values##NW(float *const *p, int64_t n, const float *const *vr,          \
+                             int64_t DV, v16u *const *acc, const float *corr) {           \
+    int64_t dv = 0;                                                                        \
+    for (; dv + 4 <= DV; dv += 4) {                                                        \
+        v16 x[NW][4];                                                                      \
+        for (int w = 0; w < NW; w++)                                                       \
+            for (int b = 0; b < 4; b++) x[w][b] = acc[w][dv + b] * corr[w];               \
+        for (int64_t j = 0; j < n; j++) {                                                  \
+            const v16u *v = (const v16u *)vr[j] + dv;                                      \
+            v16 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];                                \
+            for (int w = 0; w < NW; w++) {                                                 \
+                float pw = p[w][j];                                                        \
+                x[w][0] += pw * v0;                                                        \
+                x[w][1] += pw * v1;                                                        \
+                x[w][2] += pw * v2;                                                        \
+                x[w][3] += pw * v3;                                                        \
+            }                                                                              \
+        }                                                                                  \
+        for (int w = 0; w < NW; w++)                                                       \
+            for (int b = 0; b < 4; b++) acc[w][dv + b] = x[w][b];                          \
+    }                                                                                      \
+    for (; dv < DV; dv++) {                                                                \
+        v16 x[NW];                                                                         \
+        for (int w = 0; w < NW; w++) x[w] = acc[w][dv] * corr[w];                          \
+        for (int64_t j = 0; j < n; j++) {                                                  \
+            v16 v = ((const v16u *)vr[j])[dv];                                             \
+            for (int w = 0; w < NW; w++) x[w] += p[w][j] * v;                              \
+        }                                                                                  \
+        for (int w = 0; w < NW; w++) acc[w][dv] = x[w];                                    \
+    }                                                                                      \
 }
+WEIGH(1)
+WEIGH(4)
 
 int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
@@ -583,6 +595,9 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                     score_tile(qf, qt, nq, nqp, kpool, vpool, sl + b0 + t0,
                                nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
                                kt, vr + t0, vf + t0 * D, sc + t0);
+                float *pw[4], cw[4];  /* p @ V four queries at a time */
+                v16u *aw[4];
+                int nw = 0;
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
                     float *p = sc + i * KVS, mb = p[0];
                     int64_t row = rows[i];
@@ -596,8 +611,16 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
-                    weigh_values(p, nbk, vr, D / 16, (v16u *)(acc + row * D), corr);
+                    pw[nw] = p;
+                    aw[nw] = (v16u *)(acc + row * D);
+                    cw[nw++] = corr;
+                    if (nw == 4) {
+                        weigh_values4(pw, nbk, vr, D / 16, aw, cw);
+                        nw = 0;
+                    }
                 }
+                for (int w = 0; w < nw; w++)
+                    weigh_values1(pw + w, nbk, vr, D / 16, aw + w, cw + w);
             }
         }
     }
