@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 from worker.engine import Engine, EngineConfig
+from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
 # the step mode of the engines `make` builds unless told: the `step_modes` fixture
@@ -30,6 +31,24 @@ def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
 def prompt(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 1000) for _ in range(length)]
+
+
+def mixed_prompts(seed: int) -> list[list[int]]:
+    """Prompts whose run mixes prefill and decode batches: four short ones, one over 2k tokens,
+    and two behind one shared 300-token prefix."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 3, 2100)]
+    shared = [rng.randrange(3, 1000) for _ in range(300)]
+    return prompts + [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (7, 30)]
+
+
+def greedy_tokens(prompts: list[list[int]], max_tokens: int = 12, **config) -> list[list[int]]:
+    """Each prompt's greedy tokens from a fresh engine of `config` (`make`'s), run together,
+    the integrity checked after every step."""
+    engine = make(**config)
+    reqs = [GenerateRequest(f"p{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
+    out = run_to_completion(engine, reqs, after_step=checked)
+    return [out[r.request_id].token_ids for r in reqs]
 
 
 def checked(engine: Engine, step: int) -> None:

@@ -11,11 +11,6 @@ decoding over a shared system prompt (the one path that takes it).
 
 from __future__ import annotations
 
-import ctypes
-import os
-import shutil
-import subprocess
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -24,10 +19,10 @@ from hypothesis import strategies as st
 import worker.attention_native as native
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.attention_kit import pass_over, random_pool
+from tests.worker.kernel_kit import build_without
 from worker import decode_kernel
 from worker.attention_backends import make_attention
 from worker.attention_native import MIN_SHARED, NativeAttention
-from worker.models import c_library
 
 BF16 = torch.bfloat16
 POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys
@@ -97,15 +92,8 @@ def test_the_float32_pool_kernel_matches_float64_attention(kernel_f32, layout):
 def test_the_float32_path_matches_float64_attention(tmp_path):
     """The bfloat16 kernel as built for a CPU without AVX512-BF16 (its float32 vector path),
     run here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        pytest.skip("no C compiler")
-    source, library = tmp_path / "kernel.c", tmp_path / "kernel.so"
-    source.write_text(decode_kernel.SOURCE)
-    build = [compiler, *c_library.FLAGS, "-mno-avx512bf16", str(source), "-o", str(library)]
-    if subprocess.run(build, capture_output=True).returncode != 0:
-        pytest.skip("this compiler cannot build for x86 without AVX512-BF16")
-    kernel = decode_kernel.DecodeKernel(ctypes.CDLL(str(library)))
+    library = build_without(decode_kernel.SOURCE, "-mno-avx512bf16", tmp_path)
+    kernel = decode_kernel.DecodeKernel(library)
     for seed, (kvh, group, dim) in enumerate([(3, 3, 64), (1, 4, 16), (2, 1, 48)]):
         groups = [(600, [1, 70, 3]), (0, [300]), (40, [5, 9])]
         check_layout(kernel, {"kv_heads": kvh, "group": group, "dim": dim, "groups": groups,

@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_kit import greedy_tokens, mixed_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,13 +56,17 @@ def bf16(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
 
 
+# rows of activations to norm: how many, how wide, their magnitude, the seed that draws them
+ROWS = {
+    "rows": st.integers(1, 70),
+    "n": st.sampled_from([16, 64, 576, 1000]),
+    "scale": st.sampled_from([1e-3, 1.0, 30.0]),
+    "seed": st.integers(0, 2**16),
+}
+
+
 @settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 70),
-    n=st.sampled_from([16, 64, 576, 1000]),
-    scale=st.sampled_from([1e-3, 1.0, 30.0]),
-    seed=st.integers(0, 2**16),
-)
+@given(**ROWS)
 def test_norms_are_eagers_but_for_rare_last_bits(ops, rows, n, scale, seed):
     x, res, w = bf16(seed, rows, n, scale=scale), bf16(seed + 1, rows, n), bf16(seed + 2, n)
     # The scale's sum runs in another order: x * scale may round one bf16 step apart, and
@@ -76,6 +81,24 @@ def test_norms_are_eagers_but_for_rare_last_bits(ops, rows, n, scale, seed):
     assert torch.equal(x, bf16(seed, rows, n, scale=scale))  # the inputs are left as they were
 
 
+def rope_both_ways(ops, qkv, num_heads, num_kv, head_dim, seed):
+    """RoPE of the q and k heads of `qkv` at random positions by the loops and by torch's
+    eager ops: (q, k, eager's q, eager's k)."""
+    rows = qkv.shape[0]
+    rope = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))
+    positions = torch.tensor(random.Random(seed).sample(range(100_000), rows))
+    cos, sin = rope.cos_sin(positions, qkv.dtype)
+    q, k = ops.rope(qkv, num_heads, num_kv, head_dim, cos, sin)
+    q_size, kv_size = num_heads * head_dim, num_kv * head_dim
+    want_q, want_k = RotaryEmbedding.apply(
+        qkv[:, :q_size].reshape(rows, num_heads, head_dim),
+        qkv[:, q_size : q_size + kv_size].reshape(rows, num_kv, head_dim),
+        cos,
+        sin,
+    )
+    return q, k, want_q, want_k
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 40),
@@ -86,17 +109,7 @@ def test_norms_are_eagers_but_for_rare_last_bits(ops, rows, n, scale, seed):
 def test_rope_is_eagers_bit_for_bit(ops, rows, heads, head_dim, seed):
     num_heads, num_kv = heads
     qkv = bf16(seed, rows, (num_heads + 2 * num_kv) * head_dim, scale=3.0)
-    rope = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))
-    positions = torch.tensor(random.Random(seed).sample(range(100_000), rows))
-    cos, sin = rope.cos_sin(positions, torch.bfloat16)
-    q, k = ops.rope(qkv, num_heads, num_kv, head_dim, cos, sin)
-    q_size, kv_size = num_heads * head_dim, num_kv * head_dim
-    want_q, want_k = RotaryEmbedding.apply(
-        qkv[:, :q_size].reshape(rows, num_heads, head_dim),
-        qkv[:, q_size : q_size + kv_size].reshape(rows, num_kv, head_dim),
-        cos,
-        sin,
-    )
+    q, k, want_q, want_k = rope_both_ways(ops, qkv, num_heads, num_kv, head_dim, seed)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert q.is_contiguous() and k.is_contiguous()
 
@@ -113,12 +126,7 @@ def test_silu_mul_is_eagers_up_to_a_last_bit(ops, rows, m, seed):
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    rows=st.integers(1, 40),
-    n=st.sampled_from([16, 64, 576, 1000]),
-    scale=st.sampled_from([1e-3, 1.0, 30.0]),
-    seed=st.integers(0, 2**16),
-)
+@given(**ROWS)
 def test_float32_loops_are_eagers_within_float32_rounding(ops32, rows, n, scale, seed):
     gen = torch.Generator().manual_seed(seed)
     x, res = torch.randn(rows, n, generator=gen) * scale, torch.randn(rows, n, generator=gen)
@@ -131,19 +139,8 @@ def test_float32_loops_are_eagers_within_float32_rounding(ops32, rows, n, scale,
     gate_up = torch.randn(rows, 2 * n, generator=gen) * 4.0
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops32.silu_mul(gate_up), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
-    num_heads, num_kv, head_dim = 9, 3, 64
-    qkv = torch.randn(rows, (num_heads + 2 * num_kv) * head_dim, generator=gen) * 3.0
-    rope = RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))
-    positions = torch.tensor(random.Random(seed).sample(range(100_000), rows))
-    cos, sin = rope.cos_sin(positions, torch.float32)
-    q, k = ops32.rope(qkv, num_heads, num_kv, head_dim, cos, sin)
-    q_size, kv_size = num_heads * head_dim, num_kv * head_dim
-    want_q, want_k = RotaryEmbedding.apply(
-        qkv[:, :q_size].reshape(rows, num_heads, head_dim),
-        qkv[:, q_size : q_size + kv_size].reshape(rows, num_kv, head_dim),
-        cos,
-        sin,
-    )
+    qkv = torch.randn(rows, (9 + 2 * 3) * 64, generator=gen) * 3.0
+    q, k, want_q, want_k = rope_both_ways(ops32, qkv, 9, 3, 64, seed)
     torch.testing.assert_close(q, want_q, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(k, want_k, rtol=2e-6, atol=2e-6)
 
@@ -199,19 +196,9 @@ def test_the_layer_takes_the_loops_in_bf16(ops, monkeypatch):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_output_with_the_loops_is_eagers(monkeypatch, page_size, dtype):
     """A tiny model decoding with and without the loops: the same tokens, mixed prefill and
-    decode batches, a prompt over 2k tokens and two behind one shared prefix included."""
-    rng = random.Random(5)
-    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17, 3, 2100)]
-    shared = [rng.randrange(3, 1000) for _ in range(300)]
-    prompts += [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (7, 30)]
-    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = []
-    for use in (True, False):
-        if not use:
-            monkeypatch.setattr(fused_ops, "serves", lambda x: None)
-        engine = Engine(EngineConfig(
-            model="tiny", dtype=dtype, kv_tokens=8192, page_size=page_size))  # fmt: skip
-        reqs = [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)]
-        out = run_to_completion(engine, reqs, after_step=lambda e, s: e.check_integrity())
-        outs.append([out[r.request_id].token_ids for r in reqs])
-    assert outs[0] == outs[1]
+    decode batches included."""
+    prompts = mixed_prompts(5)
+    config = {"model": "tiny", "dtype": dtype, "kv_tokens": 8192, "page_size": page_size}
+    with_loops = greedy_tokens(prompts, **config)
+    monkeypatch.setattr(fused_ops, "serves", lambda x: None)
+    assert greedy_tokens(prompts, **config) == with_loops

@@ -1,5 +1,7 @@
 """Linears with oneDNN-packed weights give F.linear's bits (without a bias), and the engine's
-greedy output does not change with them, eager or compiled."""
+greedy output does not change with them, eager or compiled; `linear` takes a dtype's few-rows
+kernel (`packed.FEW_ROWS`) for few rows on one thread only, and the engine's greedy output with
+it is oneDNN's."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_kit import greedy_tokens, mixed_prompts
 from torch import nn
 
 import worker.models.f32_gemm as f32_gemm
@@ -63,6 +66,49 @@ def test_float32_weights_are_packed_too():
         got = linear(x, layer.weight, layer.bias)
         # oneDNN and the kernel sum in other orders than F.linear (MKL): float32 rounding apart
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_takes_the_few_rows_kernel_for_few_rows_on_one_thread(monkeypatch, dtype):
+    module = packed.FEW_ROWS[dtype]
+    kernel = module.load()
+    if kernel is None:
+        pytest.skip(f"{module.__name__} cannot run here")
+    calls = []
+    real = type(kernel).__call__
+    monkeypatch.setattr(type(kernel), "__call__",
+                        lambda self, x, *a: calls.append(x.shape) or real(self, x, *a))  # fmt: skip
+    layer = nn.Linear(64, 128, dtype=dtype)
+    assert pack_linears(layer) == 1 and layer.few_rows is not None
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, module.MAX_ROWS, module.MAX_ROWS + 1):
+            x = torch.randn(rows, 64).to(dtype)
+            want = F.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(linear(x, layer.weight, layer.bias), want, **tol)
+        assert calls == [(1, 64), (module.MAX_ROWS, 64)]  # more rows: oneDNN
+        torch.set_num_threads(2)  # oneDNN uses every thread, the kernel one
+        linear(torch.randn(1, 64).to(dtype), layer.weight, None)
+        assert len(calls) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_engine_greedy_output_with_the_few_rows_kernel_is_onednns(monkeypatch, page_size, dtype):
+    """The same tiny model decoding with and without its dtype's few-rows kernel (one thread,
+    this folder's conftest): the same tokens, mixed prefill and decode batches included."""
+    module = packed.FEW_ROWS[getattr(torch, dtype)]
+    if module.load() is None:
+        pytest.skip(f"{module.__name__} cannot run here")
+    prompts = mixed_prompts(11)
+    config = {"model": "tiny", "dtype": dtype, "kv_tokens": 8192, "page_size": page_size}
+    with_kernel = greedy_tokens(prompts, **config)
+    monkeypatch.setattr(module, "MAX_ROWS", 0)
+    assert greedy_tokens(prompts, **config) == with_kernel
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

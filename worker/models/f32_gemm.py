@@ -19,12 +19,12 @@ differ from its in the last bits.
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
 
 import torch
 
 import worker.models.c_library as c_library
+from worker.models.few_rows import FewRowsLinear, output_groups
 
 MAX_ROWS = 32  # up to this many rows a linear takes this kernel; more go to oneDNN
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
@@ -81,27 +81,10 @@ void f32_linear(const float *x, const float *w, const float *bias, float *out, i
 """
 
 
-class F32Gemm:
+class F32Gemm(FewRowsLinear):
     """The loaded library: `__call__` is the linear over a weight made by `pack`."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.f32_linear
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        self._fn = fn
-
-    def __call__(
-        self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> torch.Tensor:
-        """x [..., K] float32 (at most `MAX_ROWS` rows) -> [..., out_features] float32."""
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k).contiguous()
-        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-        self._fn(
-            x2.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), x2.shape[0], k, out_features,
-        )  # fmt: skip
-        return out
+    dtype = torch.float32
 
 
 def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -116,16 +99,11 @@ def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[O, K] -> the kernel's layout `[ceil(O/64), K, 64]`, outputs past O zero."""
-    o, k = weight.shape
-    padded = -(-o // GROUP) * GROUP
-    w = weight.detach()
-    if padded != o:
-        w = torch.cat([w, w.new_zeros(padded - o, k)])
-    return w.view(padded // GROUP, GROUP, k).transpose(1, 2).contiguous()
+    return output_groups(weight, GROUP).transpose(1, 2).contiguous()
 
 
 @cache
 def load() -> F32Gemm | None:
     """The kernel, built on first use; None where it cannot be built (no C compiler)."""
     library = c_library.build("f32_linear", SOURCE)
-    return F32Gemm(library) if library is not None else None
+    return F32Gemm(library.f32_linear) if library is not None else None

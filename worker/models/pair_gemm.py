@@ -20,12 +20,12 @@ None elsewhere, and linears stay on oneDNN.
 
 from __future__ import annotations
 
-import ctypes
 from functools import cache
 
 import torch
 
 import worker.models.c_library as c_library
+from worker.models.few_rows import FewRowsLinear, output_groups
 
 MAX_ROWS = 64  # up to this many rows a linear takes this kernel; more go to oneDNN
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
@@ -133,27 +133,11 @@ int pair_linear_available(void) { return 0; }
 """
 
 
-class PairGemm:
-    """The loaded library: `__call__` is the linear over a weight made by `pack`."""
+class PairGemm(FewRowsLinear):
+    """The loaded library: `__call__` is the linear over a weight made by `pack` (x [..., K]
+    bf16, K even)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.pair_linear
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        self._fn = fn
-
-    def __call__(
-        self, x: torch.Tensor, pairs: torch.Tensor, bias: torch.Tensor | None, out_features: int
-    ) -> torch.Tensor:
-        """x [..., K] bf16 (at most `MAX_ROWS` rows, K even) -> [..., out_features] bf16."""
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k).contiguous()
-        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.bfloat16)
-        self._fn(
-            x2.data_ptr(), pairs.data_ptr(), 0 if bias is None else bias.data_ptr(),
-            out.data_ptr(), x2.shape[0], k, out_features,
-        )  # fmt: skip
-        return out
+    dtype = torch.bfloat16
 
 
 def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -169,12 +153,9 @@ def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[O, K] -> the kernel's layout `[ceil(O/64), K/2, 64, 2]`, outputs past O zero."""
-    o, k = weight.shape
-    padded = -(-o // GROUP) * GROUP
-    w = weight.detach()
-    if padded != o:
-        w = torch.cat([w, w.new_zeros(padded - o, k)])
-    return w.view(padded // GROUP, GROUP, k // 2, 2).transpose(1, 2).contiguous()
+    groups = output_groups(weight, GROUP)
+    g, _, k = groups.shape
+    return groups.view(g, GROUP, k // 2, 2).transpose(1, 2).contiguous()
 
 
 @cache
@@ -183,4 +164,4 @@ def load() -> PairGemm | None:
     library = c_library.build("pair_linear", SOURCE)
     if library is None or not library.pair_linear_available():
         return None
-    return PairGemm(library)
+    return PairGemm(library.pair_linear)
