@@ -35,7 +35,7 @@ import torch
 
 import worker.models.c_library as c_library
 
-SOURCE = c_library.BF16_SCALARS + c_library.AVX512_EXP + r"""
+SOURCE = c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP + r"""
 #include <stdlib.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -45,19 +45,7 @@ SOURCE = c_library.BF16_SCALARS + c_library.AVX512_EXP + r"""
 #define QB 6     /* queries per register block (G = 3: a sequence's, or two sequences') */
 #define AHEAD 4  /* tiles between a slot's prefetch and its use */
 
-#ifdef KV_F32  /* built for a float32 pool */
-typedef float kv_t;
-#define KV_LOAD(x) (x)
-#define KV_ROUND(x) (x)
-#define KV_STORE(x) (x)
-#else  /* bfloat16 bits */
-typedef uint16_t kv_t;
-#define KV_LOAD(x) bf16_to_f32(x)
-#define KV_ROUND(x) round_bf16(x)
-#define KV_STORE(x) f32_to_bf16(x)
-#endif
-
-#if defined(__AVX512BF16__) && !defined(KV_F32)
+#if defined(__AVX512BF16__) && !defined(ELEM_F32)
 /* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
    a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
    the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
@@ -443,36 +431,36 @@ static inline void transpose16x16(v16 *r) {
    and, where nq > DOT_QUERIES, transposed as qt [D, nqp] (nqp a multiple of 16, zero past
    nq). */
 static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp,
-                       const kv_t *kpool, const kv_t *vpool, const int64_t *sl, int64_t nb,
+                       const elem_t *kpool, const elem_t *vpool, const int64_t *sl, int64_t nb,
                        int64_t left, int64_t KVH, int64_t h, int64_t D, float *kt,
                        const float **vr, float *vf, float *sc) {
     const int64_t DV = D / 16;
-    const kv_t *kr[KB];
+    const elem_t *kr[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
         kr[j] = kpool + off;
         if (j + PF_KEYS < left) {  /* the rows of a key PF_KEYS on: memory reads overlap */
             const char *kp = (const char *)(kpool + (sl[j + PF_KEYS] * KVH + h) * D);
             const char *vp = (const char *)(vpool + (sl[j + PF_KEYS] * KVH + h) * D);
-            for (int64_t b = 0; b < D * (int64_t)sizeof(kv_t); b += 64) {
+            for (int64_t b = 0; b < D * (int64_t)sizeof(elem_t); b += 64) {
                 __builtin_prefetch(kp + b, 0, 2);  /* into L2: more misses in flight */
                 __builtin_prefetch(vp + b, 0, 2);
             }
         }
-#ifdef KV_F32
+#ifdef ELEM_F32
         vr[j] = vpool + off;
 #else
-        for (int64_t d = 0; d < D; d++) vf[j * D + d] = KV_LOAD(vpool[off + d]);
+        for (int64_t d = 0; d < D; d++) vf[j * D + d] = E_LOAD(vpool[off + d]);
         vr[j] = vf + j * D;
 #endif
     }
     if (nq <= DOT_QUERIES) {  /* few queries: a dot product per key row */
         for (int64_t j = 0; j < nb; j++) {
-#ifdef KV_F32
+#ifdef ELEM_F32
             const v16u *kv = (const v16u *)kr[j];
 #else
             float *krow = kt + j % 2 * D;
-            for (int64_t d = 0; d < D; d++) krow[d] = KV_LOAD(kr[j][d]);
+            for (int64_t d = 0; d < D; d++) krow[d] = E_LOAD(kr[j][d]);
             const v16 *kv = (const v16 *)krow;
 #endif
             for (int64_t i = 0; i < nq; i++) {
@@ -497,7 +485,7 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
             v16 s[16] = {{0}};
             for (int64_t d = 0; d < D; d++) {
                 v16 qv = qtv[d * NV + c];
-                for (int t = 0; t < 16; t++) s[t] += KV_LOAD(kr[j + t][d]) * qv;
+                for (int t = 0; t < 16; t++) s[t] += E_LOAD(kr[j + t][d]) * qv;
             }
             transpose16x16(s);
             for (int64_t l = 0; l < n; l++) *(v16u *)(sc + (c * 16 + l) * KVS + j) = s[l];
@@ -543,16 +531,16 @@ static void weigh_values##NW(float *const *p, int64_t n, const float *const *vr,
 WEIGH(1)
 WEIGH(4)
 
-int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
+int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
                      int64_t nseg, int64_t B, int64_t H, int64_t KVH, int64_t D, float scale,
-                     float *state, kv_t *out) {
+                     float *state, elem_t *out) {
     const int64_t G = H / KVH;
     int64_t max_nq = 16;
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     max_nq = (max_nq + 15) / 16 * 16;
-#ifdef KV_F32
+#ifdef ELEM_F32
     const int64_t vf_floats = 0;  /* value rows are read where they lie */
 #else
     const int64_t vf_floats = KVS * D;  /* float32 copies of a block's value rows */
@@ -583,7 +571,7 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
             for (int64_t i = 0; i < nq; i++) {  /* the segment's queries of head group h */
                 int64_t row = mem[i / G] * H + h * G + i % G;
                 rows[i] = row;
-                for (int64_t d = 0; d < D; d++) qf[i * D + d] = KV_LOAD(q[row * D + d]) * scale;
+                for (int64_t d = 0; d < D; d++) qf[i * D + d] = E_LOAD(q[row * D + d]) * scale;
             }
             if (nq > DOT_QUERIES)  /* and transposed, zero past nq */
                 for (int64_t d = 0; d < D; d++)
@@ -607,7 +595,7 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
                     for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
                         float e = exp_f32(p[j] - m_new);  /* in the pool's precision (bf16: */
                         psum += e;                        /* as torch's flash kernel does) */
-                        p[j] = KV_ROUND(e);
+                        p[j] = E_ROUND(e);
                     }
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
@@ -626,7 +614,7 @@ int decode_attention(const kv_t *q, const kv_t *kpool, const kv_t *vpool,
     }
     for (int64_t i = 0; i < B * H; i++) {
         float inv = 1.0f / sum[i];
-        for (int64_t d = 0; d < D; d++) out[i * D + d] = KV_STORE(acc[i * D + d] * inv);
+        for (int64_t d = 0; d < D; d++) out[i * D + d] = E_STORE(acc[i * D + d] * inv);
     }
     free(buf);
     free(rows);
@@ -686,23 +674,16 @@ def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
     float32, a contiguous pool, a head size that is a multiple of 16."""
     return (
         q.device.type == "cpu"
-        and q.dtype in _SOURCES
+        and q.dtype in c_library.ELEMENT_DTYPES
         and k_buf.dtype == q.dtype
         and k_buf.is_contiguous()
         and q.shape[-1] % 16 == 0
     )
 
 
-# per pool dtype: the library's name and source
-_SOURCES = {
-    torch.bfloat16: ("decode_attention", SOURCE),
-    torch.float32: ("decode_attention_f32", "#define KV_F32 1\n" + SOURCE),
-}
-
-
 @cache
 def load(dtype: torch.dtype = torch.bfloat16) -> DecodeKernel | None:
     """The kernel for a pool of `dtype`, built on first use; None when it cannot be built here
     (no C compiler, a build error)."""
-    library = c_library.build(*_SOURCES[dtype])
+    library = c_library.build_for("decode_attention", SOURCE, dtype)
     return DecodeKernel(library, dtype) if library is not None else None

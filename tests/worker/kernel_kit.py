@@ -4,8 +4,6 @@ to run on this machine the path that CPU takes."""
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from worker.models import c_library
 def build_without(source: str, flag: str, directory: Path) -> ctypes.CDLL:
     """The library of `source` built with the kernels' flags and `flag` (e.g. `-mno-avx512f`)
     into `directory`; the test skips where there is no C compiler or it cannot build so."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = c_library.compiler()
     if compiler is None:
         pytest.skip("no C compiler")
     path, library = directory / "kernel.c", directory / "kernel.so"

@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from worker.models.builtin import cache_root
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,27 @@ static inline float exp_f32(float x) {
 }
 """
 
+# A kernel's element type (its activations or its KV pool), chosen at build time by
+# `build_for`: bfloat16 bits, converted and rounded with BF16_SCALARS (which must come first),
+# or float32 where ELEM_F32 is defined (loads, roundings and stores then do nothing).
+ELEMENT = r"""
+#ifdef ELEM_F32
+typedef float elem_t;
+#define E_LOAD(x) (x)
+#define E_ROUND(x) (x)
+#define E_STORE(x) (x)
+#else
+typedef uint16_t elem_t;
+#define E_LOAD(x) bf16_to_f32(x)
+#define E_ROUND(x) round_bf16(x)
+#define E_STORE(x) f32_to_bf16(x)
+#endif
+"""
+
+# the element dtypes `build_for` builds a source for, and the suffix of each one's library name
+ELEMENT_DTYPES = {torch.bfloat16: "", torch.float32: "_f32"}
+
+
 # The same exp on 16 floats at once, where the CPU has AVX-512 (`exp16`).
 AVX512_EXP = r"""
 #ifdef __AVX512F__
@@ -101,11 +124,23 @@ static inline __m512 exp16(__m512 x) {
 """
 
 
+def compiler() -> str | None:
+    """The system C compiler's path (`$CC`, default `cc`), or None."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def build_for(name: str, source: str, dtype: torch.dtype) -> ctypes.CDLL | None:
+    """`build` of a source written over `ELEMENT` for elements of `dtype` (one of
+    `ELEMENT_DTYPES`), as a library of its own."""
+    prefix = "#define ELEM_F32 1\n" if dtype == torch.float32 else ""
+    return build(name + ELEMENT_DTYPES[dtype], prefix + source)
+
+
 def build(name: str, source: str) -> ctypes.CDLL | None:
     """The library of `source` (built now unless a build for this CPU is cached), or None
     (logged) when it cannot be built here."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         logger.info("no C compiler: the CPU kernel %s is off (torch path)", name)
         return None
     key = hashlib.sha256((source + " ".join(FLAGS) + _cpu()).encode()).hexdigest()
@@ -113,7 +148,7 @@ def build(name: str, source: str) -> ctypes.CDLL | None:
     library = directory / f"{name}_{key[:16]}.so"
     try:
         if not library.exists():
-            _compile(compiler, name, source, directory, library)
+            _compile(cc, name, source, directory, library)
         return ctypes.CDLL(str(library))
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernel %s unavailable, using the torch path: %s", name, e)

@@ -64,13 +64,13 @@ void f32_linear(const float *x, const float *w, const float *bias, float *out, i
     int64_t groups = (o + 63) / 64;
     v16 res[TILE * NB];
     for (int64_t g = 0; g < groups; g++) {
-        const float *wg = w + g * k * 64;
+        const float *wg = w + g * k * 64, *bg = bias ? bias + g * 64 : 0;
         int64_t valid = o - g * 64 < 64 ? o - g * 64 : 64;
         for (int64_t r = 0; r < rows;) {
             int64_t n = rows - r >= TILE ? TILE : rows - r;
             rows_block(x + r * k, k, wg, (int)n, res);
             for (int64_t i = 0; i < n; i++) {
-                const float *s = (const float *)(res + i * NB), *bg = bias ? bias + g * 64 : 0;
+                const float *s = (const float *)(res + i * NB);
                 float *dst = out + (r + i) * o + g * 64;
                 for (int64_t j = 0; j < valid; j++) dst[j] = s[j] + (bg ? bg[j] : 0.0f);
             }

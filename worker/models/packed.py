@@ -129,13 +129,14 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     entry = _entry(weight)
     if entry is None:
         return F.linear(x, weight, bias)
+    kernel = FEW_ROWS.get(x.dtype) if entry.few_rows is not None else None
     if (
-        entry.few_rows is not None  # then the weight's dtype has a kernel, and it loaded
+        kernel is not None  # the weight has the layout of its dtype's kernel, which loaded
         and x.dtype == weight.dtype
-        and x.numel() <= FEW_ROWS[x.dtype].MAX_ROWS * x.shape[-1]
+        and x.numel() <= kernel.MAX_ROWS * x.shape[-1]
         and torch.get_num_threads() == 1
     ):
-        return FEW_ROWS[x.dtype].load()(x, entry.few_rows, bias, weight.shape[0])
+        return kernel.load()(x, entry.few_rows, bias, weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 
