@@ -47,11 +47,22 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+# every series read below: the scrape parses only their lines
+_READ = ("vllm:cache_config_info", *_LOAD, "vllm:kv_cache_usage_perc", "process_start_time_seconds")
+
+
 def parse_engine_metrics(text: str) -> EngineMetrics:
     """The figures of a Prometheus text exposition (unknown series are ignored; a malformed
-    exposition raises ValueError)."""
+    line of a series read here raises ValueError).
+
+    Only the lines of the series read here reach the parser (their comments dropped: the
+    samples parse the same untyped). vLLM's exposition is ~600 lines of histograms; parsed
+    whole it cost ~9 ms of the router's event loop per scrape, twice a second per engine, on
+    the cores the engines compute on, against ~0.4 ms for the lines read.
+    """
     out = EngineMetrics()
-    for family in text_string_to_metric_families(text):
+    lines = "\n".join(line for line in text.splitlines() if line.startswith(_READ))
+    for family in text_string_to_metric_families(lines + "\n"):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
             if name == "vllm:cache_config_info":

@@ -73,6 +73,18 @@ def test_engine_metrics_read_vllms_shape_and_load():
     assert m.start_time == pytest.approx(1.7954686229e9)
 
 
+def test_engine_metrics_read_only_their_series():
+    """The series read are picked out before parsing: a histogram, a longer name that starts
+    like a read one, and a broken line of a series not read change none of the figures."""
+    histogram = "".join(
+        f'vllm:time_to_first_token_seconds_bucket{{engine="0",le="{le}"}} 1.0\n'
+        for le in ("0.01", "0.1", "1.0", "+Inf"))
+    text = (VLLM_METRICS + "# TYPE vllm:time_to_first_token_seconds histogram\n" + histogram
+            + 'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0\n'
+            + "vllm:spec_decode_broken{engine= 3\n")
+    assert parse_engine_metrics(text) == parse_engine_metrics(VLLM_METRICS)
+
+
 def test_engine_metrics_of_a_server_that_reports_none():
     m = parse_engine_metrics("# TYPE radixray_requests counter\nradixray_requests_total 3.0\n")
     assert m.block_size is None and m.kv_tokens is None and m.running is None
