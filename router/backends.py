@@ -156,8 +156,9 @@ class HttpBackend(Backend):
     router's own routing history. The engine's shape and load come from its `/metrics` where
     it reports them (`router.engine_metrics`): block size, KV capacity, running and waiting
     requests, and its start time (a new one: the engine restarted, its events are purged).
-    Its prefill speed and decode step are timed on the router's own streams
-    (`router.engine_speed`) and reported in `stats()`, as our workers report theirs.
+    Its prefill speed and decode step are timed on the router's own streams, the prefill
+    speed on the engine's own timings where its `/metrics` has them (`router.engine_speed`),
+    and reported in `stats()`, as our workers report theirs.
     `block_size` is the granularity its KV events are hashed at, reported by `ready()` as the
     engine shape's `block_size`; None: the engine's own block size. An engine that reports
     none leaves it to the router's default (`EngineShape.from_info`), and then cannot have
@@ -230,7 +231,8 @@ class HttpBackend(Backend):
         }
 
     async def _scrape(self) -> None:
-        """Reads the engine's `/metrics`; a new start time purges its events (it restarted)."""
+        """Reads the engine's `/metrics`; a new start time (it restarted) purges its events and
+        drops its timings: the new process is measured anew, as it rejoins empty."""
         import aiohttp
 
         try:
@@ -243,9 +245,25 @@ class HttpBackend(Backend):
         except ValueError:  # not Prometheus text: an engine that reports nothing we read
             metrics = EngineMetrics()
         before = self.engine.start_time
-        if self.events is not None and before is not None and metrics.start_time != before:
-            self.events.purge("restart")
+        if before is not None and metrics.start_time != before:  # a new engine: timed anew
+            self.speed = EngineSpeed(self.speed.config, self.speed.clock)
+            if self.events is not None:
+                self.events.purge("restart")
+        self._observe_prefills(metrics)
         self.engine = metrics
+
+    def _observe_prefills(self, metrics: EngineMetrics) -> None:
+        """The prefills the engine timed since the last scrape (all of them since it started,
+        at the first scrape or after a restart), as one point of the speed's line: their mean
+        request (`EngineSpeed.observe_engine`)."""
+        now = metrics.prefills
+        if now is None:
+            return
+        last = self.engine.prefills if metrics.start_time == self.engine.start_time else None
+        count, tokens, seconds = now if last is None else (
+            now[0] - last[0], now[1] - last[1], now[2] - last[2])
+        if count > 0 and tokens >= 0 and seconds > 0:
+            self.speed.observe_engine(tokens / count, seconds / count)
 
     def _body(self, request: GenerateRequest) -> dict[str, Any]:
         s = request.sampling

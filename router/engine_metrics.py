@@ -4,8 +4,12 @@ vLLM reports its KV cache configuration as labels of `vllm:cache_config_info` (`
 `num_gpu_blocks`, `num_cpu_blocks`), its load as `vllm:num_requests_running`,
 `vllm:num_requests_waiting` and `vllm:kv_cache_usage_perc` (0..1), and, like every
 prometheus_client process, `process_start_time_seconds` (a new value: the engine restarted).
-SGLang names its load `sglang:num_running_reqs` and `sglang:num_queue_reqs`. Figures an engine
-does not report stay None: the router then keeps its own defaults.
+SGLang names its load `sglang:num_running_reqs` and `sglang:num_queue_reqs`. vLLM also times its
+own prefills: per request, the prefill phase's seconds (`vllm:request_prefill_time_seconds`,
+from the first scheduled step to the first token, so without queueing) and the KV tokens it
+computed (`vllm:request_prefill_kv_computed_tokens`, cached ones excluded), both histograms
+observed as each request finishes; their sums and count are `prefills`. Figures an engine does
+not report stay None: the router then keeps its own defaults.
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ class EngineMetrics:
     waiting: int | None = None
     kv_usage: float | None = None  # fraction of device KV in use
     start_time: float | None = None
+    prefill_requests: int | None = None  # requests whose prefill the engine timed, ever
+    prefill_tokens: int | None = None  # KV tokens those computed (cached ones excluded)
+    prefill_s: float | None = None  # seconds their prefill phases took
+
+    @property
+    def prefills(self) -> tuple[int, int, float] | None:
+        """(requests, computed tokens, seconds) of every prefill the engine timed since it
+        started; None unless it reports all three."""
+        if self.prefill_requests is None or self.prefill_tokens is None or self.prefill_s is None:
+            return None
+        return self.prefill_requests, self.prefill_tokens, self.prefill_s
 
     @property
     def kv_tokens(self) -> int | None:
@@ -40,6 +55,11 @@ _LOAD = {
     "vllm:num_requests_waiting": "waiting",
     "sglang:num_queue_reqs": "waiting",
 }
+_PREFILLS = {  # summed over the engine's data-parallel ranks
+    "vllm:request_prefill_time_seconds_count": ("prefill_requests", int),
+    "vllm:request_prefill_time_seconds_sum": ("prefill_s", float),
+    "vllm:request_prefill_kv_computed_tokens_sum": ("prefill_tokens", int),
+}
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
@@ -48,7 +68,8 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
 
 
 # every series read below: the scrape parses only their lines
-_READ = ("vllm:cache_config_info", *_LOAD, "vllm:kv_cache_usage_perc", "process_start_time_seconds")
+_READ = ("vllm:cache_config_info", *_LOAD, *_PREFILLS, "vllm:kv_cache_usage_perc",
+         "process_start_time_seconds")
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -72,6 +93,9 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             elif name in _LOAD:  # summed over the engine's data-parallel ranks
                 field = _LOAD[name]
                 setattr(out, field, (getattr(out, field) or 0) + int(value))
+            elif name in _PREFILLS:
+                field, kind = _PREFILLS[name]
+                setattr(out, field, (getattr(out, field) or 0) + kind(value))
             elif name == "vllm:kv_cache_usage_perc":
                 out.kv_usage = max(out.kv_usage or 0.0, float(value))
             elif name == "process_start_time_seconds":

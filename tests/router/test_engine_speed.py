@@ -153,3 +153,69 @@ def test_http_backend_reports_the_speeds_it_timed():
     core.registry.add("h")
     core.update_stats(after)
     assert core.estimator.fleet.decode_step_s == after.decode_step_s
+
+
+def test_the_engines_own_prefill_timings_replace_the_routers():
+    """Interval means of the engine's own timings (no HTTP, no queue: no fixed cost of 50 ms)
+    give the line; from the first of them the router's stream timings no longer count."""
+    speed = EngineSpeed()
+    for n in (100, 400, 700, 1000):
+        speed.observe(n, 0.05 + n / 2000, 0.0, 0, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
+    # 30 ms: the engine's first step, which its prefill phase ends with
+    speed.observe_engine(850.0, 0.03 + 850 / 600)  # one point: the router's timings dropped
+    assert speed.engine_timed and speed.prefill_tokens_per_s == 0.0
+    speed.observe(100, 9.0, 0.0, 0, queued_behind_own=False)  # ignored from now on
+    for n in (100.0, 475.0, 8.0, 1600.0):  # 8: too few tokens to say anything
+        speed.observe_engine(n, 0.03 + n / 600)
+    assert speed.prefill_tokens_per_s == pytest.approx(600.0)
+
+
+def test_http_backend_reads_the_engines_prefill_timings_between_scrapes():
+    """Through a real HTTP server whose `/metrics` counts vLLM's prefill histograms up: each
+    scrape's difference is one mean request of the line, the first scrape's totals one more;
+    a restart (a new start time) drops the old process's timings and counts its totals."""
+    from aiohttp import web
+
+    # 500 tokens/s and 30 ms of first step a request
+    totals = {"start": 1.0, "count": 2, "tokens": 1700, "seconds": 2 * 0.03 + 1700 / 500}
+
+    async def metrics(_request):
+        return web.Response(text=(
+            f"process_start_time_seconds {totals['start']}\n"
+            f'vllm:request_prefill_time_seconds_count{{engine="0"}} {totals["count"]}\n'
+            f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {totals["seconds"]}\n'
+            f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0"}} {totals["tokens"]}\n'))
+
+    async def models(_request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 4096}]})
+
+    async def run() -> list[float]:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        backend = HttpBackend("h", f"http://127.0.0.1:{port}", block_size=16)
+        seen = []
+        try:
+            await backend.ready()  # totals: one request of 850 tokens on average
+            for n, k in ((100, 3), (1600, 1), (400, 2)):  # k requests of n tokens each
+                totals.update(count=totals["count"] + k, tokens=totals["tokens"] + n * k,
+                              seconds=totals["seconds"] + k * (0.03 + n / 500))
+                seen.append((await backend.stats()).prefill_tokens_per_s)
+            totals.update(start=2.0, count=1, tokens=300, seconds=0.63)  # it restarted
+            seen.append((await backend.stats()).prefill_tokens_per_s)
+            await backend.stats()  # nothing new since: no point
+            return seen, [n for _, n, _ in backend.speed._prefill]
+        finally:
+            await backend.close()
+            await runner.cleanup()
+
+    seen, points = asyncio.run(run())
+    assert seen[:2] == [0.0, 0.0]  # three, then four points: 850, 100, 1600 (and 400) tokens
+    assert seen[2] == pytest.approx(500.0)
+    assert seen[3] == 0.0 and points == [300.0]

@@ -61,6 +61,17 @@ vllm:num_requests_running{engine="1",model_name="m"} 1.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 0.6
+vllm:request_prefill_time_seconds_count{engine="1",model_name="m"} 1.0
+vllm:request_prefill_time_seconds_sum{engine="1",model_name="m"} 0.25
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="m"} 3.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="m"} 391.0
+vllm:request_prefill_kv_computed_tokens_count{engine="1",model_name="m"} 1.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="1",model_name="m"} 150.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="128",engine="0",num_cpu_blocks="None",num_gpu_blocks="12"} 1.0
 """
@@ -71,6 +82,7 @@ def test_engine_metrics_read_vllms_shape_and_load():
     assert (m.block_size, m.kv_blocks, m.kv_tokens, m.host_kv_blocks) == (128, 12, 1536, None)
     assert (m.running, m.waiting, m.kv_usage) == (4, 2, 0.25)
     assert m.start_time == pytest.approx(1.7954686229e9)
+    assert m.prefills == (4, 541, pytest.approx(0.85))  # the prefills it timed, both ranks
 
 
 def test_engine_metrics_read_only_their_series():
@@ -88,5 +100,6 @@ def test_engine_metrics_read_only_their_series():
 def test_engine_metrics_of_a_server_that_reports_none():
     m = parse_engine_metrics("# TYPE radixray_requests counter\nradixray_requests_total 3.0\n")
     assert m.block_size is None and m.kv_tokens is None and m.running is None
+    assert m.prefills is None
     with pytest.raises(ValueError):
         parse_engine_metrics("vllm:num_requests_running{engine= 3\n")

@@ -192,12 +192,18 @@ def test_index_equals_what_vllm_stores_and_follows_evictions(router, engines, or
     index ends equal to what each engine's own events say it holds."""
     for seed in range(10):
         complete(router, prompt(seed, 3 * BLOCK + 10))
-    assert sum(o.removed for o in oracle) > 0, "no eviction happened"
+    settle(lambda: _assert(sum(o.removed for o in oracle) > 0))  # vLLM evicted
     for engine, reader in zip(engines, oracle, strict=True):
         wid = engine.url.removeprefix("http://")
         settle(lambda wid=wid, reader=reader: _assert(index_of(router, wid) == reader.expected()))
     counts = requests.get(router.url + "/metrics", timeout=10).text
     assert 'radixray_engine_events_total{outcome="applied"' in counts
+    # each vLLM timed its own prefills, and the router reads them for the prefill speed
+    for engine in engines:
+        backend = router.app.state.router.registry[engine.url.removeprefix("http://")].backend
+        settle(lambda b=backend: _assert(b.speed.engine_timed and b.engine.prefills is not None))
+        requests_, tokens, seconds = backend.engine.prefills
+        assert 0 < tokens <= requests_ * 1024 and seconds > 0  # 1024: the engines' context
 
 
 def test_prefix_affinity_with_vllms_cached_tokens(router):
