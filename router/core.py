@@ -293,6 +293,7 @@ class RoutingCore:
         view.prefill_tokens = load.prefill_tokens
         view.decode_tokens = load.decode_tokens
         view.active_tokens = load.active_tokens
+        view.kv_tokens = load.kv_tokens
         view.drain_tokens_per_s = self.ledger.drain_rate(view.worker_id, now)
         view.queue_s = max(0.0, load.busy_until - now)
         view.cached_blocks = self.index.num_blocks(view.worker_id)
@@ -333,6 +334,7 @@ class RoutingCore:
             prefill_s=view.estimate.prefill_s,
             prefill_done_at=0.0,
             hashes=hashes,
+            block_size=request.block_size,
             cached_tokens=decision.cached_tokens,
         )
 

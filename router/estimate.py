@@ -158,7 +158,7 @@ class Estimator:
         self, request: RouteRequest, view: WorkerView, load: int, step: float
     ) -> float:
         """Wait for a running slot (past `max_running`) or for KV room (past the worker's KV,
-        its running requests holding their whole context, cached prefix included)."""
+        its running requests holding their whole context, a prefix they share held once)."""
         requests = view.requests
         if not requests:
             return 0.0
@@ -172,13 +172,13 @@ class Estimator:
         stats = view.stats
         if stats is None or stats.kv_total <= 0:
             return wait
-        overflow = view.active_tokens + request.num_tokens + request.expected_output
+        overflow = view.kv_tokens + request.num_tokens + request.expected_output
         overflow -= stats.kv_total - stats.kv_session
         if overflow <= 0:
             return wait
         drain = view.drain_tokens_per_s  # measured: holds however busy the steps are
         if drain <= 0:
-            drain = view.active_tokens / residence if residence > 0 else 0.0
+            drain = view.kv_tokens / residence if residence > 0 else 0.0
         return max(wait, overflow / drain) if drain > 0 else wait
 
     def queue_s(self, view: WorkerView) -> float:

@@ -32,7 +32,8 @@ class Booking:
     active_tokens: int  # KV footprint: prompt + expected output
     prefill_s: float  # predicted time of its own prefill
     prefill_done_at: float  # predicted time its first token is out
-    hashes: Sequence[int] = ()  # its block hashes (index bookkeeping)
+    hashes: Sequence[int] = ()  # its block hashes (index bookkeeping, shared KV)
+    block_size: int = 0  # tokens per hashed block
     cached_tokens: int = 0  # prefix hit the index predicted
     actual_cached_tokens: int | None = None  # prefix hit the worker reported, set by finish
     prefilled: bool = False  # its prefill is out of the queue (predicted done, or first token)
@@ -47,7 +48,10 @@ class WorkerLoad:
     requests: int = 0
     prefill_tokens: int = 0  # of bookings whose predicted prefill is still ahead
     decode_tokens: int = 0
-    active_tokens: int = 0
+    active_tokens: int = 0  # the bookings' contexts: what their decode steps read
+    # the KV they hold: a block that several bookings share (a common prefix) counted once
+    kv_tokens: int = 0
+    blocks: dict[int, int] = field(default_factory=dict)  # block hash -> bookings holding it
     busy_until: float = 0.0
     shift_s: float = 0.0  # sum of the first-token corrections applied to busy_until
     prefill_ahead: list[tuple[float, int, Booking]] = field(default_factory=list)  # heap
@@ -136,6 +140,7 @@ class LoadLedger:
         load.requests += 1
         load.decode_tokens += booking.decode_tokens
         load.active_tokens += booking.active_tokens
+        load.kv_tokens += self._hold(load, booking, 1)
         if booking.prefill_done_at > now:
             load.prefill_tokens += booking.prefill_tokens
             self._pushed += 1
@@ -165,6 +170,21 @@ class LoadLedger:
         return booking
 
     @staticmethod
+    def _hold(load: WorkerLoad, booking: Booking, step: int) -> int:
+        """Take (`step` 1) or drop (-1) the booking's hold on its blocks; the KV tokens that
+        adds or frees: its blocks no other booking there holds, its partial last block and
+        its expected output."""
+        held, alone = load.blocks, 0
+        for h in booking.hashes:
+            n = held.get(h, 0) + step
+            if n > 0:
+                held[h] = n
+            else:
+                del held[h]
+            alone += n == (step > 0)  # taken from 0, or dropped to 0
+        return booking.active_tokens - (len(booking.hashes) - alone) * booking.block_size
+
+    @staticmethod
     def _done_at(load: WorkerLoad, booking: Booking) -> float:
         """The booking's predicted prefill end, with the corrections made since it was booked."""
         return booking.prefill_done_at + load.shift_s - booking.shift_at_booking
@@ -180,10 +200,12 @@ class LoadLedger:
             return None
         load = self.load(booking.worker_id, now)  # age out first: the sums must match the heap
         del self._bookings[request_id]
-        self._drains[booking.worker_id].add(now, booking.active_tokens)
+        freed = self._hold(load, booking, -1)
+        self._drains[booking.worker_id].add(now, freed)
         load.requests -= 1
         load.decode_tokens -= booking.decode_tokens
         load.active_tokens -= booking.active_tokens
+        load.kv_tokens -= freed
         if not booking.prefilled:  # ended (aborted) before its prefill was predicted done
             load.prefill_tokens -= booking.prefill_tokens
             load.busy_until -= min(booking.prefill_s, self._done_at(load, booking) - now)

@@ -45,7 +45,8 @@ class WorkerView:
     requests: int = 0  # routed here and not finished (booked)
     prefill_tokens: int = 0  # booked uncached prompt tokens whose prefill is still ahead
     decode_tokens: int = 0  # booked expected output tokens
-    active_tokens: int = 0  # booked KV footprint: prompt + expected output
+    active_tokens: int = 0  # booked contexts: prompt + expected output, each request's own
+    kv_tokens: int = 0  # the KV those hold: a prefix several of them share counted once
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
     affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here

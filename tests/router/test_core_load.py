@@ -64,6 +64,47 @@ def test_drain_rate_measures_released_kv_over_a_window() -> None:
     assert ledger.drain_rate("w0", 12.5) == pytest.approx(1050 / 10.0)  # r0, r1 left the window
 
 
+def test_a_shared_prefix_is_held_once() -> None:
+    """Three requests over one 768-token prefix (6 blocks of 128) with 100 tokens each of their
+    own and 16 of output: their contexts sum to 2,652 tokens, the KV they hold to 1,116 (the
+    prefix once, each one's partial block and output); a request's end frees only what it held
+    alone, and the prefix with the last of them."""
+    prefix = list(range(6))
+    ledger = LoadLedger(drain_window_s=10.0)
+    for i in range(3):
+        ledger.book(Booking(f"r{i}", "w0", prefill_tokens=100, decode_tokens=16,
+                            active_tokens=884, prefill_s=0.1, prefill_done_at=0.0,
+                            hashes=prefix, block_size=128), now=0.0)  # fmt: skip
+    load = ledger.load("w0", 0.0)
+    assert (load.active_tokens, load.kv_tokens) == (3 * 884, 768 + 3 * 116)
+    ledger.release("r0", now=1.0)
+    ledger.release("r1", now=1.0)
+    assert ledger.load("w0", 1.0).kv_tokens == 884
+    assert ledger.drain_rate("w0", 1.0) == pytest.approx(2 * 116 / 1.0)
+    ledger.release("r2", now=2.0)
+    assert ledger.drain_rate("w0", 2.0) == pytest.approx((2 * 116 + 884) / 2.0)
+
+
+def test_cost_keeps_a_prefix_holder_whose_requests_share_it() -> None:
+    """A holder of a 2,048-token prefix (16 blocks of 128) runs two requests over it, 268
+    tokens of their own and 200 of output each, in 6,144 tokens of KV. Their contexts sum to
+    5,032 tokens, with which the next request of that prefix would not fit, and was priced a
+    wait for room (its recompute elsewhere looked sooner); the KV they hold is 2,984 tokens
+    (the prefix once), the next one fits, and it stays with its prefix. (Seen live with two
+    vLLM-CPU engines and groups of prompts over common system prompts.)"""
+    policy = make_policy("cost")
+    request = RouteRequest("r", 2316, 18, 200, 128)
+    holder = WorkerView("w0", WorkerStats("w0", kv_total=6144), matched_blocks=16, requests=2,
+                        decode_tokens=400, active_tokens=2 * 2516,
+                        kv_tokens=2048 + 2 * 468)  # fmt: skip
+    other = WorkerView("w1", WorkerStats("w1", kv_total=6144))
+    assert choose(policy, request, [holder, other]).worker_id == "w0"
+    assert holder.estimate.wait_s == 0.0
+    holder.kv_tokens = holder.active_tokens  # every context held whole: the old count
+    assert choose(policy, request, [holder, other]).worker_id == "w1"
+    assert holder.estimate.wait_s > 0.5
+
+
 def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
     policy = make_policy("cost", PolicyConfig(cost=CostTerms(compute=ComputeTerm(weight=0.5))))
     request = RouteRequest("r", 4000, 250, 100, 16)
@@ -71,7 +112,7 @@ def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
     # w0 holds the prefix but its booked requests overfill its KV by ~53k tokens, which
     # its requests free at ~52k tokens/s (their 100 output tokens at ~19 ms a step); w1 is empty
     busy = WorkerView("w0", full, matched_blocks=240, requests=20, decode_tokens=2000,
-                      active_tokens=99_000)  # fmt: skip
+                      active_tokens=99_000, kv_tokens=99_000)  # fmt: skip
     idle = WorkerView("w1", WorkerStats("w1", kv_total=100_000))
     assert choose(policy, request, [busy, idle]).worker_id == "w1"
     busy.drain_tokens_per_s = 1_000_000.0  # requests leave fast: room comes in ~3 ms
