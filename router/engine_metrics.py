@@ -49,13 +49,12 @@ class EngineMetrics:
         return self.block_size * self.kv_blocks
 
 
-_LOAD = {
-    "vllm:num_requests_running": "running",
-    "sglang:num_running_reqs": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "sglang:num_queue_reqs": "waiting",
-}
-_PREFILLS = {  # summed over the engine's data-parallel ranks
+# series summed over the engine's data-parallel ranks: name -> (field, type)
+_SUMMED = {
+    "vllm:num_requests_running": ("running", int),
+    "sglang:num_running_reqs": ("running", int),
+    "vllm:num_requests_waiting": ("waiting", int),
+    "sglang:num_queue_reqs": ("waiting", int),
     "vllm:request_prefill_time_seconds_count": ("prefill_requests", int),
     "vllm:request_prefill_time_seconds_sum": ("prefill_s", float),
     "vllm:request_prefill_kv_computed_tokens_sum": ("prefill_tokens", int),
@@ -68,7 +67,7 @@ def _int_label(labels: dict[str, str], name: str) -> int | None:
 
 
 # every series read below: the scrape parses only their lines
-_READ = ("vllm:cache_config_info", *_LOAD, *_PREFILLS, "vllm:kv_cache_usage_perc",
+_READ = ("vllm:cache_config_info", *_SUMMED, "vllm:kv_cache_usage_perc",
          "process_start_time_seconds")
 
 
@@ -90,11 +89,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
                 out.block_size = _int_label(labels, "block_size") or out.block_size
                 out.kv_blocks = _int_label(labels, "num_gpu_blocks") or out.kv_blocks
                 out.host_kv_blocks = _int_label(labels, "num_cpu_blocks") or out.host_kv_blocks
-            elif name in _LOAD:  # summed over the engine's data-parallel ranks
-                field = _LOAD[name]
-                setattr(out, field, (getattr(out, field) or 0) + int(value))
-            elif name in _PREFILLS:
-                field, kind = _PREFILLS[name]
+            elif name in _SUMMED:
+                field, kind = _SUMMED[name]
                 setattr(out, field, (getattr(out, field) or 0) + kind(value))
             elif name == "vllm:kv_cache_usage_perc":
                 out.kv_usage = max(out.kv_usage or 0.0, float(value))

@@ -29,7 +29,7 @@ class Booking:
     worker_id: str
     prefill_tokens: int  # uncached prompt tokens the worker must compute
     decode_tokens: int  # expected output tokens
-    active_tokens: int  # KV footprint: prompt + expected output
+    active_tokens: int  # its context: prompt + expected output
     prefill_s: float  # predicted time of its own prefill
     prefill_done_at: float  # predicted time its first token is out
     hashes: Sequence[int] = ()  # its block hashes (index bookkeeping, shared KV)
@@ -175,13 +175,14 @@ class LoadLedger:
         adds or frees: its blocks no other booking there holds, its partial last block and
         its expected output."""
         held, alone = load.blocks, 0
+        lone = 1 if step > 0 else 0  # the count of a block this booking alone holds
         for h in booking.hashes:
             n = held.get(h, 0) + step
             if n > 0:
                 held[h] = n
             else:
                 del held[h]
-            alone += n == (step > 0)  # taken from 0, or dropped to 0
+            alone += n == lone
         return booking.active_tokens - (len(booking.hashes) - alone) * booking.block_size
 
     @staticmethod
