@@ -11,7 +11,9 @@ on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skippe
 `radixray-base` (another checkout's `radixray route`: a change side by side with the code it
 changes) and, with --variant NAME=JSON, `radixray route --cost-config JSON` as router NAME, each
 on the shared-prefix workload and a Mooncake-trace slice. With --repeat the routers take turns
-within each round and the figures are medians. The engines are warmed up once and their prefix
+within each round and the figures are medians. With --seeds the shared-prefix workload is drawn
+once per seed (prompt order and arrival times: one order alone can favour one router) and the
+mean over seeds is printed last. The engines are warmed up once and their prefix
 caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
 vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests per engine (from each
 engine's `vllm:request_success_total`). Every process binds 127.0.0.1 (the engines' event
@@ -167,14 +169,18 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
     shared = SharedPrefixConfig(groups=args.groups, prompts_per_group=args.per_group,
                                 system_prompt_len=1024, question_len=128, output_len=16,
                                 rate=args.rate)
-    out = {"shared-prefix": bench_requests(generated_shared_prefix(shared, 0),
-                                           args.words_per_block, 16)}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out = {}
+    for seed in seeds:  # the seed orders the prompts and draws their arrival times
+        name = "shared-prefix" if seeds == [0] else f"shared-prefix/seed{seed}"
+        out[name] = bench_requests(generated_shared_prefix(shared, seed), args.words_per_block, 16)
     if TRACE.exists() and "mooncake" in args.workloads:
         trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
         # requests longer than the engines' context would only be refused
         trace.requests = [r for r in trace.requests if len(r.blocks) <= args.trace_max_blocks]
         out["mooncake"] = bench_requests(trace, args.trace_words_per_block, 16)
-    return {name: requests for name, requests in out.items() if name in args.workloads}
+    return {name: requests for name, requests in out.items()
+            if name.split("/")[0] in args.workloads}
 
 
 def medians(summaries: list[dict]) -> dict:
@@ -191,6 +197,22 @@ def medians(summaries: list[dict]) -> dict:
         "throughput_rps": med([s["throughput_rps"] for s in summaries]),
         # busier engine first: the split, not which engine, is the figure
         "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
+    }
+
+
+def seed_mean(summaries: list[dict]) -> dict:
+    """The mean of per-seed figures (`medians` of each), in `line`'s format."""
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return statistics.fmean(values) if values else None
+    return {
+        "completed": mean([s["completed"] for s in summaries]),
+        "requests": summaries[0]["requests"],
+        "hit_rate": mean([s["hit_rate"] for s in summaries]),
+        "ttft": {k: mean([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
+        "throughput_rps": mean([s["throughput_rps"] for s in summaries]),
+        "requests_per_engine": [mean(list(c)) for c in
+                                zip(*[s["requests_per_engine"] for s in summaries], strict=True)],
     }
 
 
@@ -221,6 +243,10 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=6)
     parser.add_argument("--per-group", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.4, help="shared-prefix requests/s")
+    parser.add_argument("--seeds", default="0",
+                        help="shared-prefix: comma-separated workload seeds (prompt order and "
+                             "arrival times), each its own workload; with several, the mean "
+                             "over seeds is printed last")
     parser.add_argument("--words-per-block", type=int, default=48)
     parser.add_argument("--trace-limit", type=int, default=40)
     parser.add_argument("--trace-speed", type=float, default=1.0)
@@ -273,6 +299,17 @@ def main() -> None:
             results[name] = {k: medians(v) for k, v in runs[name].items() if v}
             for kind, summary in results[name].items():
                 print(line(kind, summary), flush=True)
+        seeded = [name for name in loads if name.startswith("shared-prefix/")]
+        if len(seeded) > 1:
+            print(f"### shared-prefix: mean over {len(seeded)} seeds of each seed's median",
+                  flush=True)
+            results["shared-prefix/mean"] = {}
+            for kind in routers:
+                per_seed = [results[name][kind] for name in seeded if kind in results[name]]
+                if len(per_seed) == len(seeded):
+                    mean = seed_mean(per_seed)
+                    results["shared-prefix/mean"][kind] = mean
+                    print(line(kind, mean), flush=True)
     finally:
         for engine in engines:
             engine.kill()
