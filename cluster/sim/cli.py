@@ -69,6 +69,8 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds before KV events and stats reach the router")
     parser.add_argument("--profile", default=None,
                         help="time profile JSON (default: H100 + Llama 3 8B)")
+    parser.add_argument("--speed-error", type=float, default=1.0,
+                        help="the prefill speed the workers report, times their real one")
     parser.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
                         help="overrides of the routing estimate and the cost terms (as for serve)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,6 +126,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         policies = [p.strip() for p in args.policy.split(",") if p.strip()]
         if args.workers <= 0 or not policies:
             raise ValueError("need at least one worker and one policy")
+        if not args.speed_error > 0:
+            raise ValueError(f"--speed-error must be above 0, got {args.speed_error}")
         cost = args.cost_config or {}
         cost_config(overrides=cost)  # unknown keys or bad values, before the runs
     except (ValueError, OSError) as exc:
@@ -133,6 +137,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     results = []
     for name in policies:
         config = SimConfig(args.workers, kv_tokens, name, args.event_delay, seed=args.seed,
+                           speed_error=args.speed_error,
                            host_kv_tokens=args.host_kv_tokens, host_policy=args.host_policy,
                            cost_config=cost)
         started = time.perf_counter()

@@ -62,8 +62,9 @@ def worker_shape(worker: SimWorker) -> EngineShape:
     )
 
 
-def worker_stats(worker: SimWorker) -> WorkerStats:
-    """What the worker would report now (KV figures in tokens)."""
+def worker_stats(worker: SimWorker, speed_error: float = 1.0) -> WorkerStats:
+    """What the worker would report now (KV figures in tokens); its prefill speed times
+    `speed_error` (1: exact), as a live engine's measured speed is off by some factor."""
     bt, cache, profile = worker.block_tokens, worker.cache, worker.profile
     context = sum(r.context for r in worker.running)
     free = worker.capacity_blocks - cache.total_size() - worker.reserved
@@ -79,7 +80,7 @@ def worker_stats(worker: SimWorker) -> WorkerStats:
         waiting=len(worker.waiting),
         waiting_prefill_tokens=worker.queued_prefill_tokens(),
         running_decode_tokens=context,
-        prefill_tokens_per_s=prefill_speed(profile),
+        prefill_tokens_per_s=prefill_speed(profile) * speed_error,
         decode_step_s=profile.step_s(0, 0, max(1, len(worker.running)), context),
         page_size=1,
         block_size=bt,

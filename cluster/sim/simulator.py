@@ -32,6 +32,7 @@ class SimConfig:
 
     event_delay_s: how late KV events and stats reach the router.
     host_kv_tokens / host_policy: each worker's host tier (`RadixCache` host_allocator).
+    speed_error: the prefill speed the workers report, as a multiple of their real one.
     stats_interval_s: how often each worker reports its stats.
     """
 
@@ -44,6 +45,7 @@ class SimConfig:
     host_kv_tokens: int = 0  # host KV tier per worker (0: none)
     host_policy: str = "write_through"
     cost_config: dict = field(default_factory=dict)  # `--cost-config` overrides
+    speed_error: float = 1.0
 
 
 @dataclass(slots=True)
@@ -91,7 +93,8 @@ class Simulator:
             config.policy, lambda: self.now, config.seed, bt, profile, config.cost_config
         )
         for w in self.workers:
-            self.core.add_worker(w.worker_id, worker_stats(w), worker_shape(w))
+            stats = worker_stats(w, config.speed_error)
+            self.core.add_worker(w.worker_id, stats, worker_shape(w))
             self.core.apply_events(encode_batch(w.worker_id, 0, 0, w.cache.snapshot_events()))
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -159,7 +162,7 @@ class Simulator:
             self._at(due, lambda b=batch: self.core.apply_events(b))
         if self.now - self._last_stats[worker.index] >= self.config.stats_interval_s:
             self._last_stats[worker.index] = self.now
-            stats = worker_stats(worker)
+            stats = worker_stats(worker, self.config.speed_error)
             self._at(due, lambda s=stats: self.core.update_stats(s))
 
     def _result(self, states: list[RequestState]) -> SimResult:

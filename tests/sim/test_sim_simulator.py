@@ -2,6 +2,7 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +10,7 @@ from cluster.sim.cli import add_simulate_args, run_simulate
 from cluster.sim.pooled import pooled_hit_rate
 from cluster.sim.report import POLICY_KEYS, build_report, summarize
 from cluster.sim.simulator import SimConfig, Simulator, simulate
-from cluster.sim.time_model import h100_llama3_8b
+from cluster.sim.time_model import TimeProfile, h100_llama3_8b
 from cluster.sim.workloads import (
     ChatConfig,
     SharedPrefixConfig,
@@ -147,7 +148,30 @@ def test_cli_table_plot_and_bad_arguments(tmp_path, capsys):
     assert _cli(["--workload", "shared-prefix", "--cost-config", '{"nope": 1}',
                  "--no-progress"]) == 2
     assert _cli(["--trace", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert _cli(["--workload", "shared-prefix", "--speed-error", "0", "--no-progress"]) == 2
     assert "radixray simulate" in capsys.readouterr().err
+
+
+def test_the_speed_the_workers_report_can_be_off_by_a_factor():
+    """`speed_error` scales only what the router is told: on the pair of CPU engines of
+    bench/sim_cpu_pair.py the workers compute as before, and `cost`, pricing each prefill at
+    half its time, routes otherwise."""
+    profile = TimeProfile.load(str(Path(__file__).parents[2] / "bench" / "profiles"
+                                   / "vllm_cpu_smollm2.json"))
+    workload = generated_shared_prefix(SharedPrefixConfig(
+        groups=8, prompts_per_group=8, system_prompt_len=640, question_len=200, output_len=16,
+        rate=1.0), seed=0)
+    sims = [Simulator(workload, SimConfig(workers=2, kv_tokens=5120, policy="cost",
+                                          event_delay_s=0.25, speed_error=error), profile)
+            for error in (1.0, 2.0)]
+    told = [sim.core.registry.get(sim.workers[0].worker_id).stats.prefill_tokens_per_s
+            for sim in sims]
+    assert told[1] == pytest.approx(2 * told[0])
+    exact, off = (sim.run() for sim in sims)
+    assert exact.worker_of != off.worker_of
+    for sim in sims:
+        for w in sim.workers:
+            w.cache.check_integrity()
 
 
 def test_host_tier_serves_evicted_prefixes():
