@@ -31,9 +31,11 @@ not lie on one line. On two vLLM-CPU engines at 1 request/s the line through the
 1,800-7,500 tokens/s from 4-8 points and at 200-350 later, against ~300 for a lone cold
 prompt. But sharing a step only ever lengthens a prefill: no interval's mean request is
 computed faster than the engine's speed, so the fastest of them (`envelope_tokens` or more
-computed, where the fixed cost of a step weighs little) is a floor under the speed, known from
-the first cold prompt. The engine's speed is the line clamped between that floor and
-`max_over_envelope` times it, and the floor alone while there is no line.
+computed, where the fixed cost of a step weighs little) is a floor under the speed, taken once
+`min_points` such means were seen (a fresh engine's first request is slow, and a floor from it
+alone would price the engine below its peers, which would then get every request). The
+engine's speed is the line clamped between that floor and `max_over_envelope` times it, and
+the floor alone while there is no line.
 
 Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
 since would otherwise keep that figure forever, and `cost` would keep routing around it; with
@@ -73,8 +75,8 @@ class EngineSpeedConfig:
     min_steps: timed decodes needed for the decode step.
     max_age_s: timings older than this (seconds) no longer count.
     envelope_tokens / max_over_envelope: the engine's own timings of at least this many
-    computed tokens set the floor under its speed, and its line may be at most this many times
-    the floor (see the module docstring)."""
+    computed tokens (`min_points` of them) set the floor under its speed, and its line may be
+    at most this many times the floor (see the module docstring)."""
 
     window: int = 64
     min_uncached: int = 16
@@ -144,9 +146,10 @@ class EngineSpeed:
         if not self.engine_timed:
             return line
         cfg = self.config
-        floor = max((n / t for _, n, t in self._prefill if n >= cfg.envelope_tokens), default=0.0)
-        if floor <= 0:
+        long = [n / t for _, n, t in self._prefill if n >= cfg.envelope_tokens]
+        if len(long) < cfg.min_points:  # one slow first request must not shun a fresh engine
             return line
+        floor = max(long)
         return min(max(line, floor), cfg.max_over_envelope * floor)
 
     def _line(self) -> float:

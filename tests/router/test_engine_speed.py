@@ -166,8 +166,7 @@ def test_the_engines_own_prefill_timings_replace_the_routers():
     assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
     # 30 ms: the engine's first step, which its prefill phase ends with
     speed.observe_engine(850.0, 0.03 + 850 / 600)  # one point: the router's timings dropped
-    # no line yet; the one point is a floor under the speed (its 30 ms counted as prefill)
-    assert speed.engine_timed and speed.prefill_tokens_per_s == pytest.approx(850 / 1.4467, 1e-3)
+    assert speed.engine_timed and speed.prefill_tokens_per_s == 0.0
     speed.observe(100, 9.0, 0.0, 0, queued_behind_own=False)  # ignored from now on
     for n in (100.0, 475.0, 8.0, 1600.0):  # 8: too few tokens to say anything
         speed.observe_engine(n, 0.03 + n / 600)
@@ -202,6 +201,18 @@ def test_prefills_that_share_steps_do_not_flatten_the_engines_speed():
     assert slow.prefill_tokens_per_s == pytest.approx(900 / 2.4)
 
 
+def test_a_fresh_engines_slow_first_prefill_does_not_set_its_floor():
+    """A restarted vLLM's first request is slow (its warm-up). Taken alone as the floor it
+    priced the engine 10x below its twin, `cost` sent it nothing, and nothing corrected it
+    (seen in tests/vllm/test_vllm_serve.py); the floor waits for four long means."""
+    speed = EngineSpeed()
+    speed.observe_engine(261.0, 0.5)  # 522 tokens/s against ~5,000 once warm
+    assert speed.prefill_tokens_per_s == 0.0  # unknown: the fleet's median prices it
+    for _ in range(3):
+        speed.observe_engine(261.0, 0.05)
+    assert speed.prefill_tokens_per_s == pytest.approx(261 / 0.05)  # the fastest of four
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     speed_tps=st.floats(100, 50_000),
@@ -219,7 +230,7 @@ def test_the_engines_speed_is_within_its_floor_and_twice_the_truth(speed_tps, fi
         clean.observe_engine(n, base)
     got = speed.prefill_tokens_per_s
     long = [n / (fixed_s + n / speed_tps) / (1 + shared) for n, shared in points if n >= 256]
-    if long:
+    if len(long) >= 4:
         assert got >= max(long) * (1 - 1e-9)
         assert got <= 2 * speed_tps * (1 + 1e-9)
         longest = max(n for n, _ in points)
@@ -274,7 +285,6 @@ def test_http_backend_reads_the_engines_prefill_timings_between_scrapes():
             await runner.cleanup()
 
     seen, points = asyncio.run(run())
-    # before a line (two, then three points), the fastest long mean request: 850, then 1600
-    assert seen[:2] == [pytest.approx(n / (0.03 + n / 500)) for n in (850, 1600)]
-    assert seen[2] == pytest.approx(500.0)  # four points: 850, 100, 1600 and 400 tokens
-    assert seen[3] == pytest.approx(300 / 0.63) and points == [300.0]  # the new process alone
+    assert seen[:2] == [0.0, 0.0]  # three, then four points: 850, 100, 1600 (and 400) tokens
+    assert seen[2] == pytest.approx(500.0)
+    assert seen[3] == 0.0 and points == [300.0]  # the new process alone: one point
