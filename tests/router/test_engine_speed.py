@@ -203,8 +203,9 @@ def test_prefills_that_share_steps_do_not_flatten_the_engines_speed():
 
 def test_a_fresh_engines_slow_first_prefill_does_not_set_its_floor():
     """A restarted vLLM's first request is slow (its warm-up). Taken alone as the floor it
-    priced the engine 10x below its twin, `cost` sent it nothing, and nothing corrected it
-    (seen in tests/vllm/test_vllm_serve.py); the floor waits for four long means."""
+    can price the engine far below its twin, so that `cost` sends it nothing and nothing
+    corrects it: with such a floor, tests/vllm/test_vllm_serve.py's restarted worker got none
+    of 20 new prompts. The floor waits for four long means."""
     speed = EngineSpeed()
     speed.observe_engine(261.0, 0.5)  # 522 tokens/s against ~5,000 once warm
     assert speed.prefill_tokens_per_s == 0.0  # unknown: the fleet's median prices it
