@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from mem_cache.events import AllCleared, KVEvent, SessionHeld, SessionReleased, decode_batch
 from router.affinity import AffinityRates
 from router.estimate import EstimateConfig, Estimator
-from router.load import Booking, LoadLedger
+from router.load import Booking, LoadLedger, Saturation
 from router.policies import DEFAULT_POLICY, Policy, PolicyConfig, make_policy
 from router.prefix_index import IndexConfig, PrefixIndex
 from router.registry import DEAD, WorkerRegistry, WorkerState
@@ -81,6 +81,7 @@ class RoutingCore:
         self._stale_sessions: list[tuple[str, str]] = []  # (worker id, session id) to close
         self.ledger = LoadLedger()
         self.affinity = AffinityRates(self.config.estimate.affinity_window_s)
+        self.saturation = Saturation(self.config.estimate.saturation_window_s)
         self.registry = registry or WorkerRegistry(EngineShape(block_size=self.config.block_size))
         self.registry.subscribe(self)
 
@@ -268,6 +269,8 @@ class RoutingCore:
             view.host_blocks = match.host.get(worker.worker_id, 0)
             view.estimate = self.estimator.estimate(request, view)
             candidates.append(view)
+        least_wait = min(v.estimate.wait_s for v in candidates)
+        request.saturation = self.saturation.observe(least_wait, now)
         decision = self.policy.choose(request, candidates)
         if session_id is not None:
             decision = self._follow_pin(request, session_id, decision, candidates)

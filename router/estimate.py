@@ -60,6 +60,9 @@ class EstimateConfig:
     # time constant of the rates of arrivals and prompt tokens wanting each worker
     # (`router.affinity`)
     affinity_window_s: float = 30.0
+    # time constant of the fleet's saturation: the share of recent time no worker was free
+    # (`router.load.Saturation`)
+    saturation_window_s: float = 10.0
 
 
 class Speeds(NamedTuple):

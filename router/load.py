@@ -16,6 +16,7 @@ behind the one that made it late.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -79,6 +80,40 @@ class DrainRate:
             self._total -= self._released.popleft()[1]
         span = min(self.window_s, now - self.since)
         return self._total / span if span > 0 else 0.0
+
+
+class Saturation:
+    """How much of the recent past the fleet was saturated: every worker had a queue, so none
+    could start a new request at once. A time average, exponentially decayed with time constant
+    `window_s`, of what each decision saw: the least wait among the workers says the fleet stays
+    saturated that long (or until the next decision, whichever comes first).
+
+    A worker free for a moment in a saturated fleet is not spare capacity: the next arrivals
+    fill it anyway (`router.cost_terms` reads this to tell that moment from a lull).
+    """
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
+        self.window_s = window_s
+        self._value = 0.0  # as of `_since`
+        self._busy_s = 0.0  # the least wait seen at `_since`
+        self._since: float | None = None
+
+    def observe(self, least_wait_s: float, now: float) -> float:
+        """The saturated share up to `now` (the first observation starts the clock: 0); then
+        record that every worker is busy for `least_wait_s` from now."""
+        if self._since is not None and now > self._since:
+            elapsed = now - self._since
+            busy = min(self._busy_s, elapsed)
+            # decay what was, then add the busy span [since, since + busy] as seen from now
+            self._value = self._value * math.exp(-elapsed / self.window_s) + (
+                math.exp((busy - elapsed) / self.window_s) - math.exp(-elapsed / self.window_s)
+            )
+        if self._since is None or now >= self._since:
+            self._since = now
+            self._busy_s = max(0.0, least_wait_s)
+        return self._value
 
 
 class LoadLedger:

@@ -75,6 +75,7 @@ class RouteRequest:
     block_size: int = 16
     session_id: str | None = None
     fleet_tokens_per_s: float = 0.0  # the fleet's median prefill speed now (`router.fleet`)
+    saturation: float = 0.0  # share of the recent past no worker was free (`router.load`)
 
 
 @dataclass(slots=True)

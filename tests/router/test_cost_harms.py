@@ -83,6 +83,33 @@ def test_the_guard_keeps_a_request_from_waiting_far_into_the_tail() -> None:
                 *tail_case()) == "cached"  # fmt: skip
 
 
+def test_in_a_saturated_fleet_a_free_moment_does_not_pull_the_request_off_its_prefix() -> None:
+    """The tail case (cached 6.5 s, free 2 s) when no worker has been free for most of the
+    recent past (`RouteRequest.saturation`): the free worker will be filled by the next
+    arrivals anyway, so the recompute only adds to the work the fleet is behind on."""
+    tail = dict(tail_ttft_s=3.0, tail=TailTerm(8.0))
+    guard = dict(compute=replace(PLAIN, weight=1000.0), tail_ttft_s=4.0, guard=GuardTerm(4.0))
+    for knobs in (tail, guard):
+        request, views = tail_case()
+        assert pick(model(**knobs), request, views) == "free"  # a lull: as before
+        request.saturation = 1.0
+        assert pick(model(**knobs), request, views) == "cached"
+    # the tail weight scales with the calm share: at 0.75 saturated, 8 x 0.25 x (6.5 - 3)
+    # = 7 against a recompute of 16 x 1.5 = 24 + 2 - 6.5: it stays; at 0.25, 21 > 19.5
+    request, views = tail_case()
+    request.saturation = 0.75
+    assert pick(model(**tail), request, views) == "cached"
+    request.saturation = 0.25
+    assert pick(model(**tail), request, views) == "free"
+    # the guard's margin grows as 1 / calm: 6.5 is past 2.07 + 4 / 0.95 (its first step
+    # included), not past 2.07 + 4 / 0.8
+    request, views = tail_case()
+    request.saturation = 0.05
+    assert pick(model(**guard), request, views) == "free"
+    request.saturation = 0.2
+    assert pick(model(**guard), request, views) == "cached"
+
+
 def test_the_guard_loosens_as_more_workers_are_busy() -> None:
     """With most workers queued, a recompute elsewhere turns into queueing: the guard gives
     `tail_guard_busy_s` x busy share ** 4 more time past the best before it bites."""
