@@ -106,10 +106,9 @@ class Saturation:
         if self._since is not None and now > self._since:
             elapsed = now - self._since
             busy = min(self._busy_s, elapsed)
+            decay = math.exp(-elapsed / self.window_s)
             # decay what was, then add the busy span [since, since + busy] as seen from now
-            self._value = self._value * math.exp(-elapsed / self.window_s) + (
-                math.exp((busy - elapsed) / self.window_s) - math.exp(-elapsed / self.window_s)
-            )
+            self._value = self._value * decay + math.exp((busy - elapsed) / self.window_s) - decay
         if self._since is None or now >= self._since:
             self._since = now
             self._busy_s = max(0.0, least_wait_s)
