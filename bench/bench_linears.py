@@ -9,6 +9,7 @@ and the share of outputs with the same bits. One torch thread (the kernels' own 
     python bench/bench_linears.py                      # SmolLM2-135M's shapes, 30 layers
     python bench/bench_linears.py --dtype float32 --rows 1 8 32 --shape 49152x576 --layers 2
     python bench/bench_linears.py --rows 1 8 --layers 8 --shape 4096x4096
+    python bench/bench_linears.py --variant dpbf16     # bf16: one build, not the calibrated
 """
 
 from __future__ import annotations
@@ -45,11 +46,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--variant", choices=["dpbf16", "fma"], default=None,
+                        help="bf16: this build of the kernel (default: the one `load` picks)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = getattr(torch, args.dtype)
     module = FEW_ROWS[dtype]
-    kernel = module.load()
+    kernel = module.variants().get(args.variant) if args.variant else module.load()
     if kernel is None:
         print(f"no {module.__name__} here (bf16 needs AVX512-BF16; both need a C compiler)")
         return 1

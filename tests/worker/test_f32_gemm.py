@@ -57,7 +57,7 @@ def test_the_build_without_avx512_is_a_float32_sum_too(tmp_path):
     """The kernel as built for a CPU without AVX-512 (blocks of 2 rows on 8-float vectors),
     run here."""
     library = build_without(f32_gemm.SOURCE, "-mno-avx512f", tmp_path)
-    kernel = f32_gemm.F32Gemm(library.f32_linear)
+    kernel = f32_gemm.F32Gemm(library.f32_linear, f32_gemm.MAX_ROWS)
     for rows in (1, 2, 3, 5, 32):
         check(kernel, rows, 200, 96, rows % 2 == 1, rows)
         check(kernel, rows, 70, 1536, False, rows)

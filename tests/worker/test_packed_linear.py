@@ -15,6 +15,7 @@ from torch import nn
 
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed
+import worker.models.pair_gemm as pair_gemm
 from worker.engine import Engine, EngineConfig
 from worker.models.packed import can_pack, linear, pack_linears, packed_of
 from worker.offline import Completion, run_to_completion
@@ -81,14 +82,17 @@ def test_linear_takes_the_few_rows_kernel_for_few_rows_on_one_thread(monkeypatch
     layer = nn.Linear(64, 128, dtype=dtype)
     assert pack_linears(layer) == 1 and layer.few_rows is not None
     tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+    # where the kernel takes prefill chunks too (pair_gemm.calibrate), a limit to test
+    monkeypatch.setattr(kernel, "max_rows", min(kernel.max_rows, module.MAX_ROWS))
+    limit = kernel.max_rows
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        for rows in (1, module.MAX_ROWS, module.MAX_ROWS + 1):
+        for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 64).to(dtype)
             want = F.linear(x, layer.weight, layer.bias)
             torch.testing.assert_close(linear(x, layer.weight, layer.bias), want, **tol)
-        assert calls == [(1, 64), (module.MAX_ROWS, 64)]  # more rows: oneDNN
+        assert calls == [(1, 64), (limit, 64)]  # more rows: oneDNN
         torch.set_num_threads(2)  # oneDNN uses every thread, the kernel one
         linear(torch.randn(1, 64).to(dtype), layer.weight, None)
         assert len(calls) == 2
@@ -102,13 +106,32 @@ def test_engine_greedy_output_with_the_few_rows_kernel_is_onednns(monkeypatch, p
     """The same tiny model decoding with and without its dtype's few-rows kernel (one thread,
     this folder's conftest): the same tokens, mixed prefill and decode batches included."""
     module = packed.FEW_ROWS[getattr(torch, dtype)]
-    if module.load() is None:
+    kernel = module.load()
+    if kernel is None:
         pytest.skip(f"{module.__name__} cannot run here")
     prompts = mixed_prompts(11)
     config = {"model": "tiny", "dtype": dtype, "kv_tokens": 8192, "page_size": page_size}
     with_kernel = greedy_tokens(prompts, **config)
-    monkeypatch.setattr(module, "MAX_ROWS", 0)
+    monkeypatch.setattr(kernel, "max_rows", 0)
     assert greedy_tokens(prompts, **config) == with_kernel
+
+
+@pytest.mark.parametrize("variant", ["dpbf16", "fma"])
+def test_engine_greedy_output_with_either_bf16_kernel_on_every_linear_is_onednns(
+    monkeypatch, variant
+):
+    """Each bf16 variant taking every linear, prefill chunks included (what `pair_gemm.load`
+    picks on a core where it beats oneDNN at their size): oneDNN's tokens."""
+    kernel = pair_gemm.variants().get(variant)
+    if kernel is None:
+        pytest.skip("pair_gemm cannot run here")
+    prompts = mixed_prompts(11)
+    config = {"model": "tiny", "dtype": "bfloat16", "kv_tokens": 8192, "page_size": 16}
+    monkeypatch.setattr(kernel, "max_rows", 0)
+    monkeypatch.setattr(pair_gemm, "load", lambda: kernel)
+    onednn = greedy_tokens(prompts, **config)
+    monkeypatch.setattr(kernel, "max_rows", pair_gemm.ANY_ROWS)
+    assert greedy_tokens(prompts, **config) == onednn
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -13,6 +13,7 @@ import worker.models.pair_gemm as pair_gemm
 from worker.models.packed import linear, pack_linears
 
 KERNEL = pair_gemm.load()
+VARIANTS = pair_gemm.variants()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no C compiler here")
 
 
@@ -26,15 +27,16 @@ def within_one_rounding(out, x, w, b) -> bool:
     return bool(((out.double() - exact).abs() <= step + drift).all())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 37, 64])
+@pytest.mark.parametrize("variant", ["dpbf16", "fma"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 37, 64, 515])
 @pytest.mark.parametrize(("out_features", "in_features"), [(200, 96), (64, 2), (130, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_pair_linear_rounds_a_float32_sum_once(rows, out_features, in_features, bias):
+def test_pair_linear_rounds_a_float32_sum_once(variant, rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    out = KERNEL(x, pair_gemm.pack(w), b, out_features)
+    out = VARIANTS[variant](x, pair_gemm.pack(w), b, out_features)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     # float32 sums of exact products, rounded once; and mostly the same bits as F.linear
     # (oneDNN sums the same products in the same order)
@@ -59,3 +61,21 @@ def test_odd_inputs_and_float32_weights_are_not_pair_packed():
     x = torch.randn(1, 7).to(torch.bfloat16)
     torch.testing.assert_close(linear(x, layer.weight, layer.bias), F.linear(x, layer.weight,
                                layer.bias), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 7, 64, 300])
+def test_the_fma_tiles_sum_as_vdpbf16ps_does(rows):
+    """Products exact in float32, added in `vdpbf16ps`'s order: the same bits (no denormals
+    in these inputs, which `vdpbf16ps` flushes)."""
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(333, 576, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    packed = pair_gemm.pack(w)
+    assert torch.equal(VARIANTS["fma"](x, packed, None, 333), VARIANTS["dpbf16"](x, packed, None, 333))
+
+
+def test_load_picks_a_variant_and_its_row_limit_by_timing():
+    name, prefill = pair_gemm.calibrate(VARIANTS, repeat=3)
+    assert name in VARIANTS and isinstance(prefill, bool)
+    assert KERNEL in VARIANTS.values()
+    assert KERNEL.max_rows in (pair_gemm.MAX_ROWS, pair_gemm.ANY_ROWS)

@@ -106,4 +106,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def load() -> F32Gemm | None:
     """The kernel, built on first use; None where it cannot be built (no C compiler)."""
     library = c_library.build("f32_linear", SOURCE)
-    return F32Gemm(library.f32_linear) if library is not None else None
+    return F32Gemm(library.f32_linear, MAX_ROWS) if library is not None else None

@@ -18,15 +18,16 @@ class FewRowsLinear:
 
     dtype: torch.dtype  # of x, the weight, the bias and the output: set by each kernel
 
-    def __init__(self, fn: ctypes._CFuncPtr) -> None:
+    def __init__(self, fn: ctypes._CFuncPtr, max_rows: int) -> None:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         self._fn = fn
+        self.max_rows = max_rows  # linears over more rows go to oneDNN (`packed.linear`)
 
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
-        """x [..., K] (at most the kernel's `MAX_ROWS` rows) -> [..., out_features]."""
+        """x [..., K] (any rows; `linear` sends it at most `max_rows`) -> [..., out_features]."""
         k = x.shape[-1]
         x2 = x.reshape(-1, k).contiguous()
         out = torch.empty((*x.shape[:-1], out_features), dtype=self.dtype)

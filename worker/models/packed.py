@@ -10,7 +10,7 @@ shapes (one thread, bf16), 1.3-2x for the layer projections at 1-32 rows and ~1.
 512. oneDNN sums in another order than MKL, so float32 results differ from HF's in the last
 bits (greedy output stays HF's in test_engine_hf_identity).
 
-On one thread, a linear over a few rows (a decode batch: the kernel's `MAX_ROWS`) goes through
+On one thread, a linear over a few rows (a decode batch: the kernel's `max_rows`) goes through
 a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the CPU has
 AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
 `worker.models.f32_gemm`. Each streams a third copy of the weight, packed for it, faster than
@@ -40,7 +40,7 @@ import worker.models.pair_gemm as pair_gemm
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per dtype, the C kernel for linears over a few rows on one thread: `can_pack(weight, bias)`,
-# `pack(weight)`, `load()` (None where it cannot run) and `MAX_ROWS`
+# `pack(weight)` and `load()` (None where it cannot run; its `max_rows`: the most rows it takes)
 FEW_ROWS = {torch.bfloat16: pair_gemm, torch.float32: f32_gemm}
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
 
@@ -129,14 +129,15 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     entry = _entry(weight)
     if entry is None:
         return F.linear(x, weight, bias)
-    kernel = FEW_ROWS.get(x.dtype) if entry.few_rows is not None else None
+    module = FEW_ROWS.get(x.dtype) if entry.few_rows is not None else None
+    kernel = module.load() if module is not None else None
     if (
         kernel is not None  # the weight has the layout of its dtype's kernel, which loaded
         and x.dtype == weight.dtype
-        and x.numel() <= kernel.MAX_ROWS * x.shape[-1]
+        and x.numel() <= kernel.max_rows * x.shape[-1]
         and torch.get_num_threads() == 1
     ):
-        return kernel.load()(x, entry.few_rows, bias, weight.shape[0])
+        return kernel(x, entry.few_rows, bias, weight.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 

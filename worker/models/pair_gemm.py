@@ -11,8 +11,13 @@ kernels take (pair after pair), so the outputs are oneDNN's bits but for a rare 
 rounding (>= 99.9% of outputs the same in `bench/bench_linears.py`). Measured there on
 SmolLM2-135M's shapes (one thread, 30 layers' weights from memory): 1.5-2.3x oneDNN's packed
 linear at 1-4 rows (20-29 GB/s), 1.1-1.7x at 6-16, 1.06-1.19x at 24-64 (where the work is
-arithmetic and both run near the core's bf16 peak); more rows (prefill chunks) stay on oneDNN
-(`MAX_ROWS`).
+arithmetic and both run near the core's bf16 peak).
+
+Not every core with AVX512-BF16 issues `vdpbf16ps` at that rate. A second build of the tiles
+(`pair_linear_fma`) widens each weight pair to float32 once per tile of rows and multiplies with
+float32 FMAs, in the same order, to the same sums. `load` times both and oneDNN (`calibrate`)
+and takes the faster, and lets it take prefill chunks too where it beats oneDNN at their size;
+otherwise more rows than `MAX_ROWS` stay on oneDNN.
 
 Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
@@ -20,6 +25,9 @@ None elsewhere, and linears stay on oneDNN.
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from functools import cache
 
 import torch
@@ -27,11 +35,17 @@ import torch
 import worker.models.c_library as c_library
 from worker.models.few_rows import FewRowsLinear, output_groups
 
+logger = logging.getLogger(__name__)
+
 MAX_ROWS = 64  # up to this many rows a linear takes this kernel; more go to oneDNN
+ANY_ROWS = 1 << 40  # `max_rows` of a kernel that takes prefill chunks too (`calibrate`)
+DECODE_ROWS, PREFILL_ROWS = 16, 512  # the row counts `calibrate` times
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
 
 SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #define NB 4  /* vectors of 16 outputs per group */
@@ -100,10 +114,45 @@ TILE(2)
 TILE(3)
 TILE(4)
 
+/* The same tiles with float32 FMAs: each pair of weights widened to float32 once (its even
+   input a shift, its odd one a mask) and used by every row of the tile, whose inputs were
+   widened once per call (`xf`: [rows][k]). Each product is exact in float32 as in `vdpbf16ps`,
+   and added in its order (the odd input's first), so the sums are the same but for float32
+   denormals, which `vdpbf16ps` flushes. */
+#define FTILE(RT)                                                                         \
+static void ftile##RT(const float *xf, int64_t k, int64_t pairs, const uint16_t *wg,      \
+                      __m512 *res) {                                                      \
+    __m512 acc[RT][NB];                                                                   \
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                             \
+    for (int i = 0; i < RT; i++)                                                          \
+        for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();                     \
+    for (int64_t p = 0; p < pairs; p++) {                                                 \
+        const uint16_t *wp = wg + p * NB * 32;                                            \
+        __m512 we[NB], wo[NB];                                                            \
+        for (int b = 0; b < NB; b++) {                                                    \
+            __m512i v = _mm512_loadu_si512(wp + b * 32);                                  \
+            we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                        \
+            wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                       \
+        }                                                                                 \
+        for (int i = 0; i < RT; i++) {                                                    \
+            __m512 xo = _mm512_set1_ps(xf[i * k + 2 * p + 1]);                            \
+            __m512 xe = _mm512_set1_ps(xf[i * k + 2 * p]);                                \
+            for (int b = 0; b < NB; b++)                                                  \
+                acc[i][b] = _mm512_fmadd_ps(we[b], xe, _mm512_fmadd_ps(wo[b], xo, acc[i][b])); \
+        }                                                                                 \
+    }                                                                                     \
+    for (int i = 0; i < RT; i++)                                                          \
+        for (int b = 0; b < NB; b++) res[i * NB + b] = acc[i][b];                         \
+}
+FTILE(2)
+FTILE(3)
+FTILE(4)
+
 /* out[rows, o] = x[rows, k] . w^T (+ bias): x bf16 row-major (k even), w packed as
-   [ceil(o/64)][k/2][64][2] bf16 (outputs past o are zero), bias bf16 [o] or NULL. */
-void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
-                int64_t rows, int64_t k, int64_t o) {
+   [ceil(o/64)][k/2][64][2] bf16 (outputs past o are zero), bias bf16 [o] or NULL. `xf`:
+   NULL, or x widened to float32 ([rows][k]) for the FMA tiles. */
+static void linear(const uint16_t *x, const float *xf, const uint16_t *w, const uint16_t *bias,
+                   uint16_t *out, int64_t rows, int64_t k, int64_t o) {
     int64_t pairs = k / 2, groups = (o + 63) / 64;
     const uint32_t *xw = (const uint32_t *)x;
     __m512 res[4 * NB];
@@ -114,17 +163,51 @@ void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
         for (int64_t r = 0; r < rows;) {
             int64_t n = rows - r >= 4 ? 4 : rows - r;
             const uint32_t *xr = xw + r * pairs;
-            switch (n) {
-                case 4: tile4(xr, pairs, wg, res); break;
-                case 3: tile3(xr, pairs, wg, res); break;
-                case 2: tile2(xr, pairs, wg, res); break;
-                default: one_row(xr, wg, pairs, res);
+            if (xf && n > 1) {
+                const float *xfr = xf + r * k;
+                switch (n) {
+                    case 4: ftile4(xfr, k, pairs, wg, res); break;
+                    case 3: ftile3(xfr, k, pairs, wg, res); break;
+                    default: ftile2(xfr, k, pairs, wg, res);
+                }
+            } else {
+                switch (n) {
+                    case 4: tile4(xr, pairs, wg, res); break;
+                    case 3: tile3(xr, pairs, wg, res); break;
+                    case 2: tile2(xr, pairs, wg, res); break;
+                    default: one_row(xr, wg, pairs, res);
+                }
             }
             for (int64_t i = 0; i < n; i++)
                 store(out + (r + i) * o + g * 64, res + i * NB, bg, valid);
             r += n;
         }
     }
+}
+
+void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                 int64_t rows, int64_t k, int64_t o) {
+    linear(x, 0, w, bias, out, rows, k, o);
+}
+
+/* `pair_linear` with the FMA tiles for two rows or more (one row stays on `vdpbf16ps`). */
+void pair_linear_fma(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                     int64_t rows, int64_t k, int64_t o) {
+    if (rows < 2) {
+        linear(x, 0, w, bias, out, rows, k, o);
+        return;
+    }
+    float *xf = (float *)malloc((size_t)(rows * k) * sizeof(float));
+    if (!xf) {
+        linear(x, 0, w, bias, out, rows, k, o);
+        return;
+    }
+    for (int64_t i = 0; i < rows * k; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(xf + i, &bits, 4);
+    }
+    linear(x, xf, w, bias, out, rows, k, o);
+    free(xf);
 }
 int pair_linear_available(void) { return 1; }
 #else
@@ -159,9 +242,67 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def load() -> PairGemm | None:
-    """The kernel, built on first use; None where the CPU lacks AVX512-BF16 or no build."""
+def variants() -> dict[str, PairGemm]:
+    """Both builds of the kernel by the instruction its tiles multiply with (`dpbf16`, `fma`),
+    built on first use; empty where the CPU lacks AVX512-BF16 or no build."""
     library = c_library.build("pair_linear", SOURCE)
     if library is None or not library.pair_linear_available():
+        return {}
+    return {"dpbf16": PairGemm(library.pair_linear, MAX_ROWS),
+            "fma": PairGemm(library.pair_linear_fma, MAX_ROWS)}
+
+
+@cache
+def load() -> PairGemm | None:
+    """The faster variant on this core, taking prefill chunks too where it beats oneDNN at
+    their size (`calibrate`); built and timed on first use. None where the CPU lacks
+    AVX512-BF16 or no build."""
+    built = variants()
+    if not built:
         return None
-    return PairGemm(library.pair_linear)
+    name, prefill = calibrate(built)
+    kernel = built[name]
+    kernel.max_rows = ANY_ROWS if prefill else MAX_ROWS
+    logger.info("bf16 linears: %s tiles up to %s rows", name, "any" if prefill else MAX_ROWS)
+    return kernel
+
+
+def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
+    """(the variant with the least median time over a layer-sized linear of `DECODE_ROWS`
+    rows, whether it also beats oneDNN's packed linear at `PREFILL_ROWS` rows by 10%).
+
+    Which variant that is depends on the core: `vdpbf16ps` does twice the multiply-adds of a
+    float32 FMA per instruction, but not every core issues it as often. On Zen 4 the pair
+    kernel ran near the core's bf16 peak (~233 GFLOP/s) and oneDNN about as fast at 512 rows;
+    on an Intel Xeon VM with AVX512-BF16 and no AMX, `vdpbf16ps` ran at ~85 GFLOP/s in a
+    register-only loop against ~170 for FMAs, and the FMA tiles took 0.7x oneDNN's time at 32
+    rows and 0.65x at 512 (`bench/bench_linears.py --variant`). Timed on one thread, as the
+    kernel runs; ~0.1 s at load."""
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
+    w = pack(dense)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(DECODE_ROWS, 576, generator=gen).to(torch.bfloat16)
+        times = {name: _median_s(lambda k=k: k(x, w, None, 1536), repeat)
+                 for name, k in built.items()}
+        name = min(times, key=times.__getitem__)
+        x = torch.randn(PREFILL_ROWS, 576, generator=gen).to(torch.bfloat16)
+        ours = _median_s(lambda: built[name](x, w, None, 1536), repeat)
+        theirs = _median_s(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), repeat)
+    finally:
+        torch.set_num_threads(threads)
+    return name, ours < 0.9 * theirs
+
+
+def _median_s(fn, repeat: int) -> float:
+    fn()  # warm
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
