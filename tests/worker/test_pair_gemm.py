@@ -71,7 +71,8 @@ def test_the_fma_tiles_sum_as_vdpbf16ps_does(rows):
     w = torch.randn(333, 576, generator=gen).to(torch.bfloat16)
     x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
     packed = pair_gemm.pack(w)
-    assert torch.equal(VARIANTS["fma"](x, packed, None, 333), VARIANTS["dpbf16"](x, packed, None, 333))
+    fma, dpbf16 = (VARIANTS[name](x, packed, None, 333) for name in ("fma", "dpbf16"))
+    assert torch.equal(fma, dpbf16)
 
 
 def test_load_picks_a_variant_and_its_row_limit_by_timing():
