@@ -193,16 +193,9 @@ void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uin
 /* `pair_linear` with the FMA tiles for two rows or more (one row stays on `vdpbf16ps`). */
 void pair_linear_fma(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                      int64_t rows, int64_t k, int64_t o) {
-    if (rows < 2) {
-        linear(x, 0, w, bias, out, rows, k, o);
-        return;
-    }
-    float *xf = (float *)malloc((size_t)(rows * k) * sizeof(float));
-    if (!xf) {
-        linear(x, 0, w, bias, out, rows, k, o);
-        return;
-    }
-    for (int64_t i = 0; i < rows * k; i++) {
+    /* NULL (one row, or no memory): the `vdpbf16ps` tiles */
+    float *xf = rows > 1 ? (float *)malloc((size_t)(rows * k) * sizeof(float)) : 0;
+    for (int64_t i = 0; xf && i < rows * k; i++) {
         uint32_t bits = (uint32_t)x[i] << 16;
         memcpy(xf + i, &bits, 4);
     }
@@ -281,7 +274,7 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
     w = pack(dense)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
