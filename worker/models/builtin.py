@@ -187,14 +187,25 @@ def _echo(message: str) -> None:
 
 def generate(name: str, dest: Path) -> None:
     """Write the whole HF directory of built-in model `name` into the existing folder `dest`."""
-    spec = BUILTIN_MODELS[name]
+    write_random_llama(dest, name, BUILTIN_MODELS[name])
+
+
+def write_random_llama(
+    dest: Path, name: str, spec: BuiltinSpec, dtype: torch.dtype = torch.float32
+) -> None:
+    """An HF Llama directory of shape `spec` with seeded random weights, stored as `dtype`, in
+    the existing folder `dest` (the built-in models, and larger shapes for GPU benchmarks).
+    The tokenizer may have fewer tokens than `spec.vocab_size` (its size is capped); the model
+    takes and samples every id below `vocab_size` all the same."""
     ids = write_tokenizer(dest, spec.vocab_size, spec.max_context, spec.seed)
     eos = [ids[EOS], ids[END_OF_TEXT]]
     config = _hf_config(name, spec, bos=ids[BOS], eos=eos)
+    config["dtype"] = str(dtype).removeprefix("torch.")
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": ids[BOS], "eos_token_id": eos, "pad_token_id": ids[END_OF_TEXT]}
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(random_weights(spec), str(dest / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(spec, dtype)
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
@@ -224,29 +235,37 @@ def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
     }
 
 
-def random_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
-    """HF-named float32 tensors drawn from a generator seeded with `spec.seed`."""
+def random_weights(
+    spec: BuiltinSpec, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors drawn in float32 from a generator seeded with `spec.seed`, each stored
+    as `dtype` once drawn (a large shape never holds all its weights in float32 at once)."""
     gen = torch.Generator().manual_seed(spec.seed)
     h, head = spec.hidden_size, spec.hidden_size // spec.num_heads
     q, kv, inter = spec.num_heads * head, spec.num_kv_heads * head, spec.intermediate_size
 
-    def linear(out_dim: int, in_dim: int) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5
+    def linear(out_dim: int, in_dim: int, scale: float = 1.0) -> torch.Tensor:
+        w = torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5
+        return (w * scale if scale != 1.0 else w).to(dtype)
 
-    weights = {"model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen)}
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype)
+
+    embed = torch.randn(spec.vocab_size, h, generator=gen).to(dtype)
+    weights = {"model.embed_tokens.weight": embed}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        weights[p + "input_layernorm.weight"] = torch.ones(h)
+        weights[p + "input_layernorm.weight"] = ones(h)
         # q and k twice the usual scale: sharper attention makes outputs depend on context.
-        weights[p + "self_attn.q_proj.weight"] = linear(q, h) * 2.0
-        weights[p + "self_attn.k_proj.weight"] = linear(kv, h) * 2.0
+        weights[p + "self_attn.q_proj.weight"] = linear(q, h, 2.0)
+        weights[p + "self_attn.k_proj.weight"] = linear(kv, h, 2.0)
         weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
         weights[p + "self_attn.o_proj.weight"] = linear(h, q)
-        weights[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        weights[p + "post_attention_layernorm.weight"] = ones(h)
         weights[p + "mlp.gate_proj.weight"] = linear(inter, h)
         weights[p + "mlp.up_proj.weight"] = linear(inter, h)
         weights[p + "mlp.down_proj.weight"] = linear(h, inter)
-    weights["model.norm.weight"] = torch.ones(h)
-    weights["lm_head.weight"] = linear(spec.vocab_size, h) * 4.0
+    weights["model.norm.weight"] = ones(h)
+    weights["lm_head.weight"] = linear(spec.vocab_size, h, 4.0)
     return {k: v.contiguous() for k, v in weights.items()}
 
