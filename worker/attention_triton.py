@@ -4,8 +4,12 @@ Imported only by `make_attention("triton")`: it needs the `triton` package and a
 (ImportError otherwise). One program handles one sequence, one KV head and a block of
 `BLOCK_M` (query, head) rows, the query heads of that KV head's group packed side by side so a
 decode step loads each K/V row once per group. It walks the sequence's KV slots `BLOCK_N` at a
-time, gathering K and V rows straight from the pool by slot id (page size 1 in the kernel's
-eyes, so any radix-cache page size works), with an online softmax. The causal mask is aligned
+time, reading them from its row of a slot table (the engine's request-to-slot table itself, or
+the rows a batch selected from it) and gathering K and V rows straight from the pool by slot
+id (page size 1 in the kernel's eyes, so any radix-cache page size works), with an online
+softmax. Every length and row is read on the device, so a decode batch's launches can be
+captured once into a CUDA graph and replayed with new contents (`decode_graph_plan`,
+`worker.cuda_graphs`). The causal mask is aligned
 to the end: query `i` of a sequence with `q_len` new tokens and `kv_len` in all sits at
 position `kv_len - q_len + i`.
 GPU-only: tested against the torch backend in tests/worker/test_attention_gpu.py.
@@ -14,10 +18,12 @@ GPU-only: tested against the torch backend in tests/worker/test_attention_gpu.py
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from torch.nn.utils.rnn import pad_sequence
 
 from mem_cache.kv_pool import KVPool
 from worker.attention import AttentionBackend, AttentionBatch
@@ -31,7 +37,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
-    q_indptr, kv_indptr, kv_indices,
+    q_indptr, kv_lens, table_rows, table, table_stride,
     sm_scale,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -42,8 +48,8 @@ def _paged_attention_kernel(
     q_len = tl.load(q_indptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len * GROUP:
         return
-    kv_start = tl.load(kv_indptr + seq)
-    kv_len = tl.load(kv_indptr + seq + 1) - kv_start
+    kv_len = tl.load(kv_lens + seq)
+    slot_row = table + tl.load(table_rows + seq).to(tl.int64) * table_stride
 
     # Row r of the block is (query (m_block*BLOCK_M + r) // GROUP, head r % GROUP of this KV
     # head's group): the group's heads share every K/V load.
@@ -63,7 +69,7 @@ def _paged_attention_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_len
-        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0)
+        slots = tl.load(slot_row + offs_n, mask=n_mask, other=0)
         k_offs = slots[None, :] * stride_ks + kv_head * stride_kh + offs_d[:, None]
         k = tl.load(k_ptr + k_offs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale  # [BLOCK_M, BLOCK_N]
@@ -83,6 +89,18 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_offs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+class TritonPlan(NamedTuple):
+    """The kernel's index tensors of one batch, on the device: query offsets (int32
+    [num_seqs + 1]), KV lengths (int32 [num_seqs]), each sequence's row (int32 [num_seqs]) of
+    the slot `table` (int64 [rows, W]), and the longest query."""
+
+    q_indptr: torch.Tensor
+    kv_lens: torch.Tensor
+    rows: torch.Tensor
+    table: torch.Tensor
+    max_q_len: int
+
+
 class TritonAttention(AttentionBackend):
     """Paged attention in one Triton launch per layer; index tensors built once per batch."""
 
@@ -91,22 +109,26 @@ class TritonAttention(AttentionBackend):
     def __init__(self, block_m: int = 32, block_n: int = 64) -> None:
         self.block_m, self.block_n = block_m, block_n
 
+    def decode_graph_plan(self, q_indptr, kv_lens, rows, table) -> TritonPlan:
+        """A decode batch's plan over tensors the caller keeps and refills (one query each)."""
+        return TritonPlan(q_indptr, kv_lens, rows, table, 1)
+
     def forward(self, q, k, v, layer, batch, kv_pool: KVPool):
         kv_pool.set_kv(layer, batch.slot_mapping, k, v)
         plan = batch.plan.get("triton")
         if plan is None:
             plan = batch.plan["triton"] = _plan(batch, q.device)
-        q_indptr, kv_indptr, kv_indices, max_q_len = plan
         num_heads, head_dim = q.shape[1], q.shape[2]
         k_buf, v_buf = kv_pool.k_buffer[layer], kv_pool.v_buffer[layer]
         q = q.contiguous()
         out = torch.empty_like(q)
         kv_heads = k_buf.shape[1]
         group = num_heads // kv_heads
-        grid = (len(batch.q_lens), kv_heads, triton.cdiv(max_q_len * group, self.block_m))
+        num_seqs = plan.kv_lens.shape[0]
+        grid = (num_seqs, kv_heads, triton.cdiv(plan.max_q_len * group, self.block_m))
         _paged_attention_kernel[grid](
             q, k_buf, v_buf, out,
-            q_indptr, kv_indptr, kv_indices,
+            plan.q_indptr, plan.kv_lens, plan.rows, plan.table, plan.table.stride(0),
             head_dim**-0.5,
             q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
             v_buf.stride(0), v_buf.stride(1), out.stride(0), out.stride(1),
@@ -117,16 +139,20 @@ class TritonAttention(AttentionBackend):
         return out
 
 
-def _plan(batch: AttentionBatch, device: torch.device):
-    """(q_indptr, kv_indptr, kv_indices, max_q_len) on `device` for the whole batch."""
+def _plan(batch: AttentionBatch, device: torch.device) -> TritonPlan:
+    """The plan of one batch: its slot table (or its slot lists, padded into one) on `device`."""
     q_indptr = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
     q_indptr[1:] = torch.tensor(batch.q_lens).cumsum(0)
-    kv_indptr = torch.zeros(len(batch.kv_lens) + 1, dtype=torch.int32)
-    kv_indptr[1:] = torch.tensor(batch.kv_lens).cumsum(0)
-    kv_indices = torch.cat([s.to(torch.int64) for s in batch.all_slots()])
-    return (
+    kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32)
+    if batch.slot_table is not None:
+        table = batch.slot_table
+    else:
+        table = pad_sequence([s.to(torch.int64) for s in batch.kv_slots], batch_first=True)
+    rows = torch.arange(len(batch.kv_lens), dtype=torch.int32)
+    return TritonPlan(
         q_indptr.to(device),
-        kv_indptr.to(device),
-        kv_indices.to(device),
+        kv_lens.to(device),
+        rows.to(device),
+        table.to(device=device, dtype=torch.int64).contiguous(),
         max(batch.q_lens),
     )
