@@ -164,9 +164,11 @@ def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, v
     return results
 
 
-def decode_step(engine: Engine, n: int, steps: int, tag: str, vocab: int) -> tuple[float, float]:
+def decode_step(
+    engine: Engine, n: int, steps: int, tag: str, vocab: int, profile: bool = False
+) -> tuple[float, float]:
     """Median seconds (process CPU time, wall) of a decode-only step of `n` requests behind one
-    shared system prompt."""
+    shared system prompt; with `profile`, then where 5 more steps' time went."""
     system = random_prompt(1024, 99, vocab)
     sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     for i in range(n):
@@ -182,15 +184,41 @@ def decode_step(engine: Engine, n: int, steps: int, tag: str, vocab: int) -> tup
         engine.step()
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
+    if profile:
+        profile_steps(engine, n, 5)
     while engine.has_work():
         engine.step()
     return statistics.median(cpu), statistics.median(wall)
 
 
+def profile_steps(engine: Engine, n: int, steps: int) -> None:
+    """Torch's profiler over `steps` decode steps: the device's kernel time against the wall
+    (the rest is launch gaps and host work), and the ops that took the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+    wall = (time.perf_counter() - t0) / steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time_total for e in kernels) / 1e6 / steps
+    print(f"  profile, {n} concurrent: {wall * 1e3:.2f} ms a step under the profiler, kernels "
+          f"{busy * 1e3:.2f} ms ({len(kernels) / steps:.0f} launches a step), device idle "
+          f"{max(0.0, wall - busy) * 1e3:.2f} ms", flush=True)
+    sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=12), flush=True)
+
+
 def bench_decode_steps(engine: Engine, args: argparse.Namespace, vocab: int) -> dict:
     results = {}
     for n in args.concurrency:
-        runs = [decode_step(engine, n, args.decode_steps, f"ds{n}-{r}", vocab)
+        runs = [decode_step(engine, n, args.decode_steps, f"ds{n}-{r}", vocab,
+                            profile=r == 0 and n in args.profile)
                 for r in range(args.runs)]
         cpu = statistics.median(c for c, _ in runs)
         wall = statistics.median(w for _, w in runs)
@@ -214,7 +242,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefill-budget", type=int, default=512)
-    parser.add_argument("--attention", default="native", help="attention backend")
+    parser.add_argument("--max-running", type=int, default=64, help="EngineConfig.max_running")
+    parser.add_argument("--kv-tokens", type=int, default=65536, help="KV pool slots")
+    parser.add_argument("--attention", default="auto", help="attention backend")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="on a GPU: decode eagerly, no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
     parser.add_argument("--overlap", action="store_true",
                         help="schedule each step during the previous pass (EngineConfig.overlap)")
@@ -225,6 +257,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
     parser.add_argument("--decode-steps", type=int, default=0,
                         help="only time decode steps over a shared prefix, this many per run")
+    parser.add_argument("--profile", type=int, nargs="*", default=[],
+                        help="with --decode-steps: profile 5 more steps at these concurrencies")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
@@ -232,11 +266,13 @@ def main() -> None:
     config = EngineConfig(
         model=args.model,
         device=args.device,
-        kv_tokens=65536,
+        kv_tokens=args.kv_tokens,
         prefill_budget=args.prefill_budget,
+        max_running=args.max_running,
         attention=args.attention,
         compile=args.compile,
         overlap=args.overlap,
+        cuda_graphs=args.cuda_graphs,
         dtype=args.dtype,
         seed=0,
     )
@@ -244,8 +280,9 @@ def main() -> None:
     vocab = engine.model.config.vocab_size
     print(
         f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
-        f"prefill budget {args.prefill_budget}, attention {args.attention}, "
-        f"compile {args.compile}, overlap {args.overlap}, dtype {args.dtype}",
+        f"prefill budget {args.prefill_budget}, attention {engine.model.backend.name}, "
+        f"compile {args.compile}, overlap {args.overlap}, dtype {args.dtype}, cuda graphs "
+        f"{engine.runner.graphs is not None}",
         flush=True,
     )
     ttft(engine, "warmup", random_prompt(64, 0, vocab))

@@ -80,8 +80,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        "float32 checkpoint in bfloat16 where the CPU or GPU computes bf16 "
                        "natively, as vLLM does")
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
-                       help="attention backend: native, torch (reference), triton, flashinfer "
-                       "(default: %(default)s)")
+                       help="attention backend: auto (triton on a GPU, else native), native, "
+                       "torch (reference), triton, flashinfer (default: %(default)s)")
+    model.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="--engine radixray on a GPU: run decode passes eagerly instead of "
+                       "replaying CUDA graphs captured at start")
     model.add_argument("--compile", action="store_true",
                        help="--engine radixray: torch.compile the layers, eager if that fails "
                        "(the first requests wait for the compiler)")

@@ -65,7 +65,9 @@ class ClusterConfig:
     # but greedy text may then differ between a cache hit and a recompute). Or float32, bfloat16,
     # float16.
     dtype: str | None = None
-    attention: str = "native"  # attention backend of the engine (worker.attention)
+    # attention backend of the engine (worker.attention); "auto": triton on CUDA, else native
+    attention: str = "auto"
+    cuda_graphs: bool = True  # CUDA: decode passes replayed from graphs (`EngineConfig`)
     compile: bool = False  # torch.compile the engine's layers (`EngineConfig.compile`)
     overlap: bool = False  # schedule step N+1 during step N's pass (`EngineConfig.overlap`)
     host: str = "127.0.0.1"

@@ -70,6 +70,7 @@ def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConf
         attention=config.attention,
         compile=config.compile,
         overlap=config.overlap,
+        cuda_graphs=config.cuda_graphs,
         kv_tokens=config.kv_tokens,
         page_size=config.page_size,
         block_size=config.block_size,

@@ -11,7 +11,12 @@ import torch
 
 
 class KVPool:
-    """Per-layer K/V tensors of shape [size, num_kv_heads, head_dim]."""
+    """Per-layer K/V tensors of shape [size, num_kv_heads, head_dim].
+
+    With `pad_slot`, one more row sits past the `size` slots: `pad_slot` (== size), which no
+    allocator hands out. Padding rows of a batch replayed from a CUDA graph write their K/V
+    there (`worker.cuda_graphs`); nothing reads it as anyone's KV.
+    """
 
     def __init__(
         self,
@@ -21,14 +26,16 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        pad_slot: bool = False,
     ) -> None:
         self.size = size
+        self.pad_slot: int | None = size if pad_slot else None
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (size, num_kv_heads, head_dim)
+        shape = (size + int(pad_slot), num_kv_heads, head_dim)
         self.k_buffer = [self._zeros(shape) for _ in range(num_layers)]
         self.v_buffer = [self._zeros(shape) for _ in range(num_layers)]
 
@@ -50,16 +57,63 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """`max_requests` rows of `max_context` slot ids; a running request owns one row."""
+    """`max_requests` rows of `max_context` slot ids; a running request owns one row.
 
-    def __init__(self, max_requests: int, max_context: int, device: str | torch.device = "cpu"):
+    `req_to_token` lives in host memory: the scheduler, the radix cache and the session table
+    read and write it without touching the device. On a GPU the attention kernel reads a copy
+    on the device, `device_table`, brought up to date incrementally: every `write` is logged,
+    the engine ships the log with the next pass (`pending_writes`, one upload with the pass's
+    inputs, applied on the device before the pass in stream order) and drops what it shipped
+    (`drop_writes`). On a CPU `device_table` is `req_to_token` itself and nothing is logged.
+    """
+
+    def __init__(
+        self,
+        max_requests: int,
+        max_context: int,
+        device: str | torch.device = "cpu",
+        mirror: bool | None = None,
+    ) -> None:
         self.max_requests = max_requests
         self.max_context = max_context
-        self.req_to_token = torch.zeros(
-            (max_requests, max_context), dtype=torch.int64, device=torch.device(device)
+        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int64)
+        device = torch.device(device)
+        # None: a copy on any device but the CPU (True there too: how tests check the log)
+        self.mirrored = device.type != "cpu" if mirror is None else mirror
+        self.device_table = (
+            torch.zeros((max_requests, max_context), dtype=torch.int64, device=device)
+            if self.mirrored
+            else self.req_to_token
         )
+        self._log: list[tuple[int, int, list[int]]] = []  # (row, start, slots), oldest first
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self._used_rows: set[int] = set()
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Row `row`'s entries from `start` on become `slots` (int64, host)."""
+        self.req_to_token[row, start : start + slots.numel()] = slots
+        if self.mirrored:
+            self._log.append((row, start, slots.tolist()))
+
+    def pending_writes(self) -> tuple[int, torch.Tensor | None]:
+        """The logged writes not yet shipped: how many, and the entries they leave as int64
+        [3, N] (row, column, slot), each entry once with its last value (a scatter with
+        repeated indices keeps an arbitrary one on a GPU), or (0, None)."""
+        if not self._log:
+            return 0, None
+        width = self.max_context
+        latest: dict[int, int] = {}
+        for row, start, values in self._log:
+            base = row * width + start
+            for i, slot in enumerate(values):
+                latest[base + i] = slot
+        keys = torch.tensor(list(latest), dtype=torch.int64)
+        slots = torch.tensor(list(latest.values()), dtype=torch.int64)
+        return len(self._log), torch.stack((keys // width, keys % width, slots))
+
+    def drop_writes(self, count: int) -> None:
+        """The first `count` logged writes went out with a pass (`pending_writes`)."""
+        del self._log[:count]
 
     def available(self) -> int:
         return len(self._free_rows)

@@ -25,6 +25,7 @@ import torch
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
+from worker.attention_backends import resolve_attention
 from worker.compiled import compile_model
 from worker.heap import retain_freed_memory
 from worker.kv_events import EventLog
@@ -47,7 +48,9 @@ class EngineConfig:
     # "float32" | "bfloat16" | "float16"; "auto": the checkpoint's, float32 served in bfloat16
     # where the device computes bf16 natively (vLLM's rule, `auto_dtype`); None: the checkpoint's
     dtype: str | None = None
-    attention: str = "native"  # "native" | "torch" (reference) | "triton" | "flashinfer"
+    # "auto" (triton on CUDA where it imports, else native: `resolve_attention`) | "native" |
+    # "torch" (reference) | "triton" | "flashinfer"
+    attention: str = "auto"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
     page_size: int = 1
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
@@ -70,6 +73,9 @@ class EngineConfig:
     # schedule step N+1 while the forward pass of step N runs (module docstring); off by
     # default: on a CPU the scheduling is a few % of a step (docs/engine.md)
     overlap: bool = False
+    # CUDA: replay decode passes from CUDA graphs captured at start, one per padded batch size
+    # up to max_running (worker.cuda_graphs; attention backends that allow it). Ignored on CPU
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         """ValueError naming the first knob out of range."""
@@ -102,7 +108,8 @@ class Engine:
         self.worker_id = worker_id
         self.device = torch.device(config.device)
         dtype = resolve_dtype(config.model, config.dtype, self.device)
-        self.runner = ModelRunner(config.model, self.device, dtype, config.attention)
+        attention = resolve_attention(config.attention, self.device)
+        self.runner = ModelRunner(config.model, self.device, dtype, attention)
         self.model = self.runner.model
         if config.pack_weights:
             pack_linears(self.model)
@@ -130,6 +137,9 @@ class Engine:
                 config.host_policy,
             )
         rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
+        self.runner.use_rows(rows)
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.runner.enable_cuda_graphs(config.max_running)
         self.sessions = SessionTable()
         self.memory = KVMemory(allocator, radix, rows, self.sessions)
         self.scheduler = Scheduler(
@@ -244,7 +254,7 @@ class Engine:
 
     def _run(self, batch: ScheduledBatch) -> None:
         started = time.perf_counter()
-        logits, sampled = self.runner.forward(batch, self.memory.rows.req_to_token)
+        logits, sampled = self.runner.forward(batch)
         self._computed(batch)
         prefill = self._cache_chunks(batch)
         if sampled:
@@ -271,10 +281,9 @@ class Engine:
     def _step_overlapped(self) -> None:
         if self._inflight is not None and self._sync_next:
             self._complete()
-        rows = self.memory.rows.req_to_token
         batch = self.scheduler.schedule(may_preempt=self._inflight is None)
         self._sync_next = batch.short_of_memory
-        inputs = self.runner.prepare(batch, rows) if batch else None
+        inputs = self.runner.prepare(batch) if batch else None
         if self._inflight is not None:
             had_prefill, sampled_ids = self._complete()
             live = [i for i, r in enumerate(batch.requests) if r.status is Status.RUNNING]
@@ -283,13 +292,14 @@ class Engine:
                 batch = ScheduledBatch(
                     [batch.requests[i] for i in live], [batch.num_new[i] for i in live]
                 )
-                inputs = self.runner.prepare(batch, rows) if batch else None
+                inputs = self.runner.prepare(batch) if batch else None
             elif inputs is not None:
                 self.runner.resolve(inputs, sampled_ids)
         if inputs is not None:
             self._launch(batch, inputs)
 
     def _launch(self, batch: ScheduledBatch, inputs: PassInputs) -> None:
+        self.memory.rows.drop_writes(inputs.writes_shipped)  # they go with this pass
         self._computed(batch)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             req.prefill_in_flight = n > 1

@@ -74,7 +74,7 @@ class KVMemory:
         if m.host_length:  # evicted to the host tier: copy it back rather than recompute
             m = self.radix.load_back(m)
         assert m.length % self.page_size == 0 and m.length < len(req.tokens)
-        self.rows.req_to_token[req.row, : m.length] = m.indices.to(self.rows.req_to_token.device)
+        self.rows.write(req.row, 0, m.indices)
         self.radix.lock(m.node)
         req.node = m.node
         req.prefix_len = req.alloc_len = req.num_computed = m.length
@@ -92,8 +92,7 @@ class KVMemory:
             slots = self.allocator.alloc(need)
         if slots is None:
             return False
-        row = self.rows.req_to_token[req.row]
-        row[req.alloc_len : req.alloc_len + need] = slots.to(row.device)
+        self.rows.write(req.row, req.alloc_len, slots)
         req.alloc_len += need
         return True
 
@@ -110,7 +109,7 @@ class KVMemory:
         self._insert(req.tokens[:aligned], row[:aligned], req.prefix_len, req.namespace)
         m = self.radix.match_prefix(req.tokens[:aligned], req.namespace)
         assert m.length == aligned, "inserted tokens not found again"
-        row[:aligned] = m.indices.to(row.device)
+        self.rows.write(req.row, 0, m.indices)
         self.radix.lock(m.node)
         self.radix.unlock(req.node)
         req.node = m.node
@@ -175,8 +174,7 @@ class KVMemory:
             self.drop_session(parked)
             self._match(req)
             return
-        row = self.rows.req_to_token[req.row]
-        row[:reuse] = parked.slots[:reuse].to(row.device)
+        self.rows.write(req.row, 0, parked.slots[:reuse])
         # KV regions freed here: session-owned pages [reuse, alloc_len) the new prompt no
         # longer shares (the orphaned tail); [prefix_len, reuse) becomes the request's tail.
         self._free(parked.slots[reuse:])

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # engine_kit, here and in the test modules
+sys.path.insert(0, str(Path(__file__).parent))  # engine_kit, triton_kit: for the test modules
 import engine_kit  # noqa: E402
 
 

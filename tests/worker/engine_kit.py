@@ -6,6 +6,7 @@ Imported as `from engine_kit import ...`: this folder's conftest.py puts it on `
 
 from __future__ import annotations
 
+import os
 import random
 
 from worker.engine import Engine, EngineConfig
@@ -15,12 +16,20 @@ from worker.protocol import GenerateRequest, SamplingParams
 # the step mode of the engines `make` builds unless told: the `step_modes` fixture
 # (conftest.py) runs a test module once with each
 MODE = {"overlap": False}
+# the device and attention backend of the engines `make` builds unless told: the CPU and the
+# default backend, or what these name (the GPU machine runs the engine tests with
+# RADIXRAY_TEST_DEVICE=cuda and RADIXRAY_TEST_ATTENTION=triton; bench/gpu_check.sh)
+DEVICE = os.environ.get("RADIXRAY_TEST_DEVICE", "cpu")
+ATTENTION = os.environ.get("RADIXRAY_TEST_ATTENTION")
 
 
 def make(**kw) -> Engine:
     """An engine with 4,096 KV slots unless `kv_tokens` says otherwise."""
     kw.setdefault("kv_tokens", 4096)
     kw.setdefault("overlap", MODE["overlap"])
+    kw.setdefault("device", DEVICE)
+    if ATTENTION:
+        kw.setdefault("attention", ATTENTION)
     return Engine(EngineConfig(**kw))
 
 

@@ -1,0 +1,176 @@
+"""Decode passes replayed from CUDA graphs, one graph per padded batch size.
+
+On a GPU a decode pass of a small model is launch-bound: each layer is a dozen or so kernels of
+a few microseconds, and the Python that launches them takes longer than they run (a
+Llama-3.2-1B-shaped model in bf16 on an H200: ~11-15 ms a step eager at 1-8 requests, where
+reading its weights takes ~0.6 ms; docs/benchmarks.md). A CUDA graph records the launches of
+one pass once and replays them in one call.
+
+`DecodeGraphs` captures, at start, one pass for each batch size of `graph_batch_sizes` over
+input tensors it owns: token ids, positions, the slots the new K/V go to, each sequence's KV
+length and its row of the device's copy of the request-to-slot table (which the attention
+kernel reads in place; `ReqToTokenPool.device_table`). A decode step copies its inputs into
+them, pads the batch to the next captured size and replays. Padding rows decode token 0 at
+position 0 over one key and write their K/V into the pool's pad slot (`KVPool.pad_slot`),
+which no allocator hands out, so they touch no one's KV.
+
+Only a backend whose decode plan reads every length and row on the device can be captured
+(`decode_graph_plan`; today `triton`). Everything else runs eagerly, as before: prefill chunks
+and mixed batches, a batch above the largest graph, another backend, a capture that failed.
+
+`capture=False` runs the same passes over the same padded buffers without recording a graph:
+how the padding and the in-place plan are tested on a machine with no GPU (the Triton kernel in
+its CPU interpreter).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Callable
+
+import torch
+
+from mem_cache.kv_pool import KVPool
+from worker.attention import AttentionBatch
+from worker.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The captured batch sizes up to `max_batch` (which is always one): 1, 2, 4, 8, then
+    every 8 to 64, every 16 to 128, every 32 beyond. A batch pads to the next size up: fewer
+    than 8 padding rows up to 64 requests, 16 up to 128, 32 beyond (vLLM and SGLang step their
+    sizes the same way)."""
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, 129, 16)]
+    sizes += range(160, max_batch + 1, 32)
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode pass of `model` over `kv_pool` (which has a pad slot) for up to
+    `max_batch` sequences whose slots are rows of `slot_table` (the device's copy of the
+    request-to-slot table, which the engine keeps current)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        slot_table: torch.Tensor,
+        max_batch: int,
+        capture: bool = True,
+    ) -> None:
+        if kv_pool.pad_slot is None:
+            raise ValueError("decode graphs need a KV pool with a pad slot")
+        self.model, self.kv_pool = model, kv_pool
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        dev = slot_table.device
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), kv_pool.pad_slot, dtype=torch.int64, device=dev)
+        self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.rows = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.slot_table = slot_table
+        self.capture = capture
+        self.replays = 0  # decode passes run through here
+        # batch size -> the replay (a graph's, or the eager pass) and its logits [size, vocab]
+        self.passes: dict[int, tuple[Callable[[], None], torch.Tensor | None]] = {}
+        if capture:
+            self._capture_all()
+        else:
+            self.passes = {size: (self._eager_pass(size), None) for size in self.sizes}
+
+    @staticmethod
+    def supported(model: CausalLM) -> bool:
+        """Whether `model`'s attention backend can be captured."""
+        return hasattr(model.backend, "decode_graph_plan")
+
+    def can_run(self, num_seqs: int, num_tokens: int) -> bool:
+        """A decode-only batch (one token per sequence) of at most `max_batch` sequences."""
+        return num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_lens: list[int],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits [B, vocab] of one decode step of B sequences (`can_run`)."""
+        b = input_ids.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, b)]
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
+        self.rows[:b].copy_(rows, non_blocking=True)
+        lens = torch.tensor(kv_lens, dtype=torch.int32)
+        self.kv_lens[:b].copy_(lens, non_blocking=self.kv_lens.is_cuda)
+        if b < size:  # padding rows: token 0 at position 0, one key, K/V into the pad slot
+            self.input_ids[b:size].zero_()
+            self.positions[b:size].zero_()
+            self.slot_mapping[b:size].fill_(self.kv_pool.pad_slot)
+            self.kv_lens[b:size].fill_(1)
+            self.rows[b:size].zero_()
+        replay, logits = self.passes[size]
+        self.replays += 1
+        out = replay()
+        if logits is None:  # not captured: the pass returned them
+            logits = out
+        # a copy: the graph's output buffer is overwritten by the next replay
+        return logits[:b].clone()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The decode pass of the first `size` rows of the buffers (what a graph records)."""
+        slot_mapping = self.slot_mapping[:size]
+        plan = self.model.backend.decode_graph_plan(
+            self.q_indptr[: size + 1], self.kv_lens[:size], self.rows[:size], self.slot_table
+        )
+        batch = AttentionBatch([1] * size, [1] * size, slot_mapping, slot_table=self.slot_table)
+        batch.plan[self.model.backend.name] = plan
+        return self.model.forward(
+            self.input_ids[:size], self.positions[:size], batch, self.kv_pool, None
+        )
+
+    def _eager_pass(self, size: int) -> Callable[[], torch.Tensor]:
+        return lambda: self._forward(size)
+
+    def _capture_all(self) -> None:
+        """One graph per size, largest first so the smaller ones reuse its memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.slot_table.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: Triton compiles, the allocator settles
+            for size in (self.sizes[-1], self.sizes[0]):
+                self._forward(size)
+        torch.cuda.current_stream().wait_stream(stream)
+        for size in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self.passes[size] = (graph.replay, logits)
+        torch.cuda.synchronize()
+
+
+def make_decode_graphs(
+    model: CausalLM, kv_pool: KVPool, slot_table: torch.Tensor, max_batch: int
+) -> DecodeGraphs | None:
+    """The engine's decode graphs on a CUDA device, or None where they cannot be had (another
+    device or backend, or a capture that failed: logged, and the engine runs eagerly)."""
+    if slot_table.device.type != "cuda" or kv_pool.pad_slot is None:
+        return None
+    if not DecodeGraphs.supported(model):
+        logger.info("attention backend %s has no decode graphs: decode runs eagerly",
+                    model.backend.name)
+        return None
+    try:
+        return DecodeGraphs(model, kv_pool, slot_table, max_batch)
+    except Exception as exc:  # noqa: BLE001 - any capture failure leaves the engine eager
+        logger.warning("capturing CUDA graphs of the decode pass failed, running it eagerly: "
+                       "%s", exc)
+        torch.cuda.synchronize()
+        return None
