@@ -77,6 +77,7 @@ class ReqToTokenPool:
         self.max_requests = max_requests
         self.max_context = max_context
         self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int64)
+        self._table = self.req_to_token.numpy()  # the same memory: a slice write costs ~1 us
         device = torch.device(device)
         # None: a copy on any device but the CPU (True there too: how tests check the log)
         self.mirrored = device.type != "cpu" if mirror is None else mirror
@@ -91,9 +92,10 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Row `row`'s entries from `start` on become `slots` (int64, host)."""
-        self.req_to_token[row, start : start + slots.numel()] = slots
+        values = slots.numpy()
+        self._table[row, start : start + len(values)] = values
         if self.mirrored:
-            self._log.append((row, start, slots.tolist()))
+            self._log.append((row, start, values.tolist()))
 
     def pending_writes(self) -> tuple[int, torch.Tensor | None]:
         """The logged writes not yet shipped: how many, and the entries they leave as int64
