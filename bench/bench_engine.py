@@ -69,7 +69,8 @@ def bench_ttft(engine: Engine, lengths: list[int], runs: int, vocab: int) -> dic
         results[length] = {"uncached_s": c, "cached_s": w, "ratio": w / c, "cached_tokens": cached}
         print(
             f"TTFT {length:>5} tokens: uncached {c * 1000:8.1f} ms  95% cached {w * 1000:8.1f} ms"
-            f"  ratio {w / c:.3f}  (cached tokens {cached[0]}, runs {runs})",
+            f"  ratio {w / c:.3f}  (cached tokens {cached[0]}, runs {runs}; uncached prefill "
+            f"{length / c:,.0f} tok/s)",
             flush=True,
         )
     return results
@@ -103,7 +104,7 @@ def engine_throughput(
 
 def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
     """Static batch: all prompts (equal lengths, so no padding) in one `generate` call."""
-    ids = torch.tensor(prompts, dtype=torch.int64)
+    ids = torch.tensor(prompts, dtype=torch.int64, device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -114,6 +115,7 @@ def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
             do_sample=False,
             pad_token_id=0,
         )
+    out = out.cpu()  # waits for a GPU's work
     assert out.shape[1] == ids.shape[1] + out_len
     return len(prompts) * out_len / (time.perf_counter() - start)
 
@@ -121,8 +123,11 @@ def hf_throughput(model, prompts: list[list[int]], out_len: int) -> float:
 def bench_throughput(engine: Engine, model_dir: str, args: argparse.Namespace, vocab: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     results = {}
+    if not args.concurrency:
+        return results
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    hf = hf.to(engine.device).eval()
     for n in args.concurrency:
         ours, itl, hf_batch, hf_seq, vs_seq, vs_batch = [], [], [], [], [], []
         for run in range(args.runs):
@@ -285,6 +290,10 @@ def main() -> None:
         f"{engine.runner.graphs is not None}",
         flush=True,
     )
+    if engine.runner.graphs is not None and engine.runner.graphs.capture:
+        g = engine.runner.graphs
+        print(f"captured {len(g.sizes)} decode graphs (batch 1-{g.max_batch}) in "
+              f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
     ttft(engine, "warmup", random_prompt(64, 0, vocab))
     if args.decode_steps:
         figures = {"decode_step": bench_decode_steps(engine, args, vocab)}

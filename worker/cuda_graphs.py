@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -77,6 +78,7 @@ class DecodeGraphs:
         self.slot_table = slot_table
         self.capture = capture
         self.replays = 0  # decode passes run through here
+        self.capture_s, self.capture_bytes = 0.0, 0  # what capturing took (GPU)
         # batch size -> the replay (a graph's, or the eager pass) and its logits [size, vocab]
         self.passes: dict[int, tuple[Callable[[], None], torch.Tensor | None]] = {}
         if capture:
@@ -141,6 +143,7 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         """One graph per size, largest first so the smaller ones reuse its memory pool."""
+        started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.slot_table.device)
         stream.wait_stream(torch.cuda.current_stream())
@@ -154,6 +157,10 @@ class DecodeGraphs:
                 logits = self._forward(size)
             self.passes[size] = (graph.replay, logits)
         torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - started
+        self.capture_bytes = torch.cuda.memory_reserved() - reserved
+        logger.info("captured %d decode graphs (batch 1-%d) in %.1f s, %.0f MiB", len(self.sizes),
+                    self.max_batch, self.capture_s, self.capture_bytes / 2**20)
 
 
 def make_decode_graphs(
