@@ -80,7 +80,7 @@ class DecodeGraphs:
         self.replays = 0  # decode passes run through here
         self.capture_s, self.capture_bytes = 0.0, 0  # what capturing took (GPU)
         # batch size -> the replay (a graph's, or the eager pass) and its logits [size, vocab]
-        self.passes: dict[int, tuple[Callable[[], None], torch.Tensor | None]] = {}
+        self.passes: dict[int, tuple[Callable[[], torch.Tensor | None], torch.Tensor | None]] = {}
         if capture:
             self._capture_all()
         else:
