@@ -96,6 +96,24 @@ class KVMemory:
         req.alloc_len += need
         return True
 
+    def alloc_decodes(self, reqs: list[Request]) -> bool:
+        """A slot for each request's next token (a decode step: at most one new page each), all
+        from one allocator call. False, taking nothing, when the free list is short: the caller
+        then goes request by request (`alloc`), evicting or retracting."""
+        p = self.page_size
+        needing = [r for r in reqs if r.num_computed + 1 > r.alloc_len]
+        if not needing:
+            return True
+        slots = self.allocator.alloc(p * len(needing))
+        if slots is None:
+            return False
+        pages = slots.view(len(needing), p)
+        for req, page in zip(needing, pages, strict=True):
+            assert req.row is not None and req.alloc_len + p <= self.rows.max_context
+            self.rows.write(req.row, req.alloc_len, page)
+            req.alloc_len += p
+        return True
+
     def cache(self, req: Request) -> None:
         """Hand the page-aligned computed prefix of a running request to the tree, so that other
         requests can share it (finished chunks, a finished prompt). Duplicates are freed and the

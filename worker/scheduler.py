@@ -85,6 +85,13 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int, may_preempt: bool) -> int:
+        running = self.running
+        decoding = running and all(r.remaining == 1 for r in running)
+        if decoding and self.memory.alloc_decodes(running):
+            # every running request decodes and the free list covers them all: one allocation
+            batch.requests.extend(running)
+            batch.num_new.extend([1] * len(running))
+            return max(budget - len(running), 0)
         i = 0
         while i < len(self.running):
             req = self.running[i]

@@ -154,3 +154,32 @@ def test_random_operations_never_leak(seed, page_size, host):
     engine.close_session("s1")
     engine.close_session("s2")
     assert_idle_clean(engine)
+
+
+def test_a_decode_step_short_of_pages_takes_nothing_then_goes_request_by_request():
+    """Decode slots come from one allocator call; when the free list cannot cover every
+    decoding request, that call takes nothing and the request-by-request path retracts (and
+    the outputs are those of a pool with room)."""
+    ps = [prompt(16, 30 + i) for i in range(3)]
+    want = [o.token_ids for o in run(make(kv_tokens=4096, page_size=16), ps)]
+    engine = make(kv_tokens=64, page_size=16, enable_cache=False)  # 4 pages of 16
+    for i, p in enumerate(ps):
+        engine.add_request(GenerateRequest(f"r{i}", p, greedy(4)))
+    first = {c.request_id: c.token_ids for c in engine.step()}  # the prompts, a page each
+    memory, running = engine.memory, engine.scheduler.running
+    assert len(running) == 3 and all(r.remaining == 1 for r in running)
+    free, alloc = memory.allocator.available_size(), [r.alloc_len for r in running]
+    assert free == 16 and not memory.alloc_decodes(running)  # 3 new pages wanted, 1 free
+    assert memory.allocator.available_size() == free  # nothing taken
+    assert [r.alloc_len for r in running] == alloc
+    out = run_to_completion(engine, after_step=checked)
+    got = [first.get(f"r{i}", []) + out[f"r{i}"].token_ids for i in range(3)]
+    assert got == want
+    assert engine.scheduler.num_retracted > 0
+    assert_idle_clean(engine)
+
+
+def run(engine: Engine, prompts: list[list[int]]):
+    reqs = [GenerateRequest(f"q{i}", p, greedy(4)) for i, p in enumerate(prompts)]
+    out = run_to_completion(engine, reqs, after_step=checked)
+    return [out[r.request_id] for r in reqs]
