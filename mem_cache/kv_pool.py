@@ -92,7 +92,7 @@ class ReqToTokenPool:
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Row `row`'s entries from `start` on become `slots` (int64, host)."""
-        values = slots.numpy()
+        values = (slots if slots.is_cpu else slots.cpu()).numpy()
         self._table[row, start : start + len(values)] = values
         if self.mirrored:
             self._log.append((row, start, values.tolist()))
