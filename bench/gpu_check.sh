@@ -27,6 +27,7 @@ if [[ $what == tests || $what == all ]]; then
     | tee "$out/gpu_tests.log" | tail -25
   RADIXRAY_TEST_DEVICE=cuda RADIXRAY_TEST_ATTENTION=triton timeout 180 $pytest \
     tests/worker/test_engine.py tests/worker/test_overlap.py tests/worker/test_engine_host.py \
+    tests/worker/test_scheduler.py tests/worker/test_sessions.py tests/worker/test_engine_hf.py \
     2>&1 | tee "$out/cuda_engine_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
+from engine_kit import make
 
-from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
@@ -54,7 +54,8 @@ def test_greedy_outputs_match_hf_generate_through_cache_and_batching(hf_dir):
                 pad_token_id=0,
             )
         expected.append(out[0, len(p) :].tolist())
-    engine = Engine(EngineConfig(model=hf_dir, dtype="float32", kv_tokens=1024, prefill_budget=16))
+    # engine_kit's device and backend: the CPU here, CUDA + Triton (+ graphs) on the GPU machine
+    engine = make(model=hf_dir, dtype="float32", kv_tokens=1024, prefill_budget=16)
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     for rnd in range(2):  # the second round hits the cache
         reqs = [GenerateRequest(f"{rnd}-{i}", p, sp) for i, p in enumerate(prompts)]
