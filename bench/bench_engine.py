@@ -175,7 +175,8 @@ def decode_step(
     """Median seconds (process CPU time, wall) of a decode-only step of `n` requests behind one
     shared system prompt; with `profile`, then where 5 more steps' time went."""
     system = random_prompt(1024, 99, vocab)
-    sp = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    # enough tokens that every request still decodes through the profiled steps too
+    sp = SamplingParams(max_tokens=steps + 4 + 5 * profile, temperature=0.0, ignore_eos=True)
     for i in range(n):
         prompt = system + random_prompt(64, 10_000 + i, vocab)
         engine.add_request(GenerateRequest(f"{tag}-{i}", prompt, sp))
