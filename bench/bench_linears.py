@@ -15,24 +15,14 @@ and the share of outputs with the same bits. One torch thread (the kernels' own 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from worker.models.packed import FEW_ROWS
+from worker.models.pair_gemm import median_seconds
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")  # qkv, o, gate_up, down (out x in)
 
-
-def per_pass(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -68,8 +58,8 @@ def main() -> int:
         gb = args.layers * out_f * in_f * dense[0].element_size() / 1e9
         for rows in args.rows:
             x = torch.randn(rows, in_f, generator=gen).to(dtype)
-            a = per_pass(lambda x=x, ws=onednn: [_onednn(x, w) for w in ws], args.repeat)
-            b = per_pass(lambda x=x, ps=packed, n=out_f: [kernel(x, p, None, n) for p in ps],
+            a = median_seconds(lambda x=x, ws=onednn: [_onednn(x, w) for w in ws], args.repeat)
+            b = median_seconds(lambda x=x, ps=packed, n=out_f: [kernel(x, p, None, n) for p in ps],
                          args.repeat)
             ref = _onednn(x, onednn[0])
             same = (kernel(x, packed[0], None, out_f) == ref).double().mean().item()

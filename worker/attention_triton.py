@@ -23,7 +23,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.nn.utils.rnn import pad_sequence
 
 from mem_cache.kv_pool import KVPool
 from worker.attention import AttentionBackend, AttentionBatch
@@ -144,11 +143,11 @@ def _plan(batch: AttentionBatch, device: torch.device) -> TritonPlan:
     q_indptr = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
     q_indptr[1:] = torch.tensor(batch.q_lens).cumsum(0)
     kv_lens = torch.tensor(batch.kv_lens, dtype=torch.int32)
-    if batch.slot_table is not None:
-        table = batch.slot_table
-    else:
-        table = pad_sequence([s.to(torch.int64) for s in batch.kv_slots], batch_first=True)
-    rows = torch.arange(len(batch.kv_lens), dtype=torch.int32)
+    n = len(batch.kv_lens)
+    table = batch.slot_table
+    if table is None:
+        table = batch.padded_slots(list(range(n)), max(batch.kv_lens))
+    rows = torch.arange(n, dtype=torch.int32)
     return TritonPlan(
         q_indptr.to(device),
         kv_lens.to(device),

@@ -3,7 +3,7 @@
 On a GPU a decode pass of a small model is launch-bound: each layer is a dozen or so kernels of
 a few microseconds, and the Python that launches them takes longer than they run (a
 Llama-3.2-1B-shaped model in bf16 on an H200: ~11-15 ms a step eager at 1-8 requests, where
-reading its weights takes ~0.6 ms; docs/benchmarks.md). A CUDA graph records the launches of
+reading its weights takes ~0.6 ms; docs/engine.md). A CUDA graph records the launches of
 one pass once and replays them in one call.
 
 `DecodeGraphs` captures, at start, one pass for each batch size of `graph_batch_sizes` over
@@ -29,6 +29,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -84,7 +85,7 @@ class DecodeGraphs:
         if capture:
             self._capture_all()
         else:
-            self.passes = {size: (self._eager_pass(size), None) for size in self.sizes}
+            self.passes = {size: (partial(self._forward, size), None) for size in self.sizes}
 
     @staticmethod
     def supported(model: CausalLM) -> bool:
@@ -137,9 +138,6 @@ class DecodeGraphs:
         return self.model.forward(
             self.input_ids[:size], self.positions[:size], batch, self.kv_pool, None
         )
-
-    def _eager_pass(self, size: int) -> Callable[[], torch.Tensor]:
-        return lambda: self._forward(size)
 
     def _capture_all(self) -> None:
         """One graph per size, largest first so the smaller ones reuse its memory pool."""

@@ -138,7 +138,7 @@ class Engine:
             )
         rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
         self.runner.use_rows(rows)
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs:  # on a CUDA device only (`make_decode_graphs`)
             self.runner.enable_cuda_graphs(config.max_running)
         self.sessions = SessionTable()
         self.memory = KVMemory(allocator, radix, rows, self.sessions)

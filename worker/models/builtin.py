@@ -199,8 +199,7 @@ def write_random_llama(
     takes and samples every id below `vocab_size` all the same."""
     ids = write_tokenizer(dest, spec.vocab_size, spec.max_context, spec.seed)
     eos = [ids[EOS], ids[END_OF_TEXT]]
-    config = _hf_config(name, spec, bos=ids[BOS], eos=eos)
-    config["dtype"] = str(dtype).removeprefix("torch.")
+    config = _hf_config(name, spec, bos=ids[BOS], eos=eos, dtype=dtype)
     (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {"bos_token_id": ids[BOS], "eos_token_id": eos, "pad_token_id": ids[END_OF_TEXT]}
     (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -208,7 +207,9 @@ def write_random_llama(
     save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
+def _hf_config(
+    name: str, spec: BuiltinSpec, bos: int, eos: list[int], dtype: torch.dtype
+) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -231,7 +232,7 @@ def _hf_config(name: str, spec: BuiltinSpec, bos: int, eos: list[int]) -> dict:
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": eos[-1],
-        "dtype": "float32",
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 

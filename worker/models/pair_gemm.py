@@ -279,19 +279,20 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
     torch.set_num_threads(1)
     try:
         x = torch.randn(DECODE_ROWS, 576, generator=gen).to(torch.bfloat16)
-        times = {name: _median_s(lambda k=k: k(x, w, None, 1536), repeat)
+        times = {name: median_seconds(lambda k=k: k(x, w, None, 1536), repeat)
                  for name, k in built.items()}
         name = min(times, key=times.__getitem__)
         x = torch.randn(PREFILL_ROWS, 576, generator=gen).to(torch.bfloat16)
-        ours = _median_s(lambda: built[name](x, w, None, 1536), repeat)
-        theirs = _median_s(
+        ours = median_seconds(lambda: built[name](x, w, None, 1536), repeat)
+        theirs = median_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), repeat)
     finally:
         torch.set_num_threads(threads)
     return name, ours < 0.9 * theirs
 
 
-def _median_s(fn, repeat: int) -> float:
+def median_seconds(fn, repeat: int) -> float:
+    """Median wall seconds of `repeat` calls of `fn`, after one to warm up."""
     fn()  # warm
     runs = []
     for _ in range(repeat):
