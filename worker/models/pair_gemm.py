@@ -49,6 +49,15 @@ SOURCE = r"""
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #define NB 4  /* vectors of 16 outputs per group */
+#define PF_PAIRS 16  /* software prefetch this many pairs (256 bytes each) ahead */
+
+/* The pair's four cache lines PF_PAIRS pairs ahead (past the weight's end: a prefetch never
+   faults). On a 2-core Xeon VM a loop of `vdpbf16ps` over 256 MB read ~11 GB/s with the
+   hardware prefetchers alone, ~13.5 GB/s with these (a plain sum: ~12.4 and ~13.8). */
+static inline void prefetch_pair(const uint16_t *wp) {
+    const char *a = (const char *)(wp + PF_PAIRS * NB * 32);
+    for (int b = 0; b < NB; b++) _mm_prefetch(a + b * 64, _MM_HINT_T0);
+}
 
 static inline __m512 dp(__m512 acc, __m512i w, __m512i x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
@@ -77,6 +86,7 @@ static void one_row(const uint32_t *x, const uint16_t *wg, int64_t pairs, __m512
     int64_t p = 0;
     for (; p + 4 <= pairs; p += 4) {
         const uint16_t *wp = wg + p * NB * 32;
+        for (int u = 0; u < 4; u++) prefetch_pair(wp + u * NB * 32);
         for (int u = 0; u < 4; u++) {
             __m512i xb = _mm512_set1_epi32((int)x[p + u]);
             for (int b = 0; b < NB; b++)
@@ -100,6 +110,7 @@ static void tile##RT(const uint32_t *x, int64_t pairs, const uint16_t *wg, __m51
         for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();                     \
     for (int64_t p = 0; p < pairs; p++) {                                                 \
         const uint16_t *wp = wg + p * NB * 32;                                            \
+        prefetch_pair(wp);                                                                \
         __m512i wv[NB];                                                                   \
         for (int b = 0; b < NB; b++) wv[b] = _mm512_loadu_si512(wp + b * 32);             \
         for (int i = 0; i < RT; i++) {                                                    \
@@ -128,6 +139,7 @@ static void ftile##RT(const float *xf, int64_t k, int64_t pairs, const uint16_t 
         for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();                     \
     for (int64_t p = 0; p < pairs; p++) {                                                 \
         const uint16_t *wp = wg + p * NB * 32;                                            \
+        prefetch_pair(wp);                                                                \
         __m512 we[NB], wo[NB];                                                            \
         for (int b = 0; b < NB; b++) {                                                    \
             __m512i v = _mm512_loadu_si512(wp + b * 32);                                  \
