@@ -85,6 +85,22 @@ class EventRelay:
             pass
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (the router's share of
+    the machine's two cores, which the engines also run on)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def reset_caches(engines: list[VllmServer]) -> None:
     for engine in engines:
         request = urllib.request.Request(engine.url + "/reset_prefix_cache", b"", method="POST")
@@ -150,13 +166,16 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
         wait_http(f"http://{HOST}:{port}/health", 180)
         time.sleep(2)  # let health checks and event subscriptions settle
         target = Target(f"http://{HOST}:{port}", args.model, stream=True)
+        cpu_before = cpu_seconds(proc.pid)
         outcomes, wall = asyncio.run(run(target, requests, RunConfig(), progress=False))
+        router_cpu_s = cpu_seconds(proc.pid) - cpu_before
     finally:
         proc.terminate()
         proc.wait(30)
     summary = summarize(outcomes, wall)
     after = [finished_requests(e.url) for e in engines]
     summary["requests_per_engine"] = [a - b for a, b in zip(after, before, strict=True)]
+    summary["router_cpu_s"] = round(router_cpu_s, 2)
     # each request in the order sent, to find a tail request in radixray's decision log
     summary["per_request"] = [
         {"start_s": round(o.start_s, 3), "ttft_s": round(o.ttft_s, 3), "id": o.request_id,
@@ -195,6 +214,7 @@ def medians(summaries: list[dict]) -> dict:
         "hit_rate": med([s["hit_rate"] for s in summaries]),
         "ttft": {k: med([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
         "throughput_rps": med([s["throughput_rps"] for s in summaries]),
+        "router_cpu_s": med([s.get("router_cpu_s") for s in summaries]),
         # busier engine first: the split, not which engine, is the figure
         "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
     }
@@ -211,6 +231,7 @@ def seed_mean(summaries: list[dict]) -> dict:
         "hit_rate": mean([s["hit_rate"] for s in summaries]),
         "ttft": {k: mean([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
         "throughput_rps": mean([s["throughput_rps"] for s in summaries]),
+        "router_cpu_s": mean([s.get("router_cpu_s") for s in summaries]),
         "requests_per_engine": [mean(list(c)) for c in
                                 zip(*[s["requests_per_engine"] for s in summaries], strict=True)],
     }
@@ -222,7 +243,7 @@ def line(kind: str, s: dict) -> str:
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
     return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
-            f"per engine {s['requests_per_engine']}")
+            f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s')} s")
 
 
 def main() -> None:
