@@ -243,7 +243,7 @@ def line(kind: str, s: dict) -> str:
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
     return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
-            f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s')} s")
+            f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s') or 0:.2f} s")
 
 
 def main() -> None:

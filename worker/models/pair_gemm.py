@@ -15,7 +15,9 @@ arithmetic and both run near the core's bf16 peak).
 
 Not every core with AVX512-BF16 issues `vdpbf16ps` at that rate. A second build of the tiles
 (`pair_linear_fma`) widens each weight pair to float32 once per tile of rows and multiplies with
-float32 FMAs, in the same order, to the same sums. `load` times both and oneDNN (`calibrate`)
+float32 FMAs, in the same order, to the same sums; from `WIDE_MIN` rows on (prefill chunks) it
+widens each group of 64 outputs' weights once per call into a buffer that stays in L2, and five
+rows at a time take only FMAs against it. `load` times both and oneDNN (`calibrate`)
 and takes the faster, and lets it take prefill chunks too where it beats oneDNN at their size;
 otherwise more rows than `MAX_ROWS` stay on oneDNN.
 
@@ -160,6 +162,52 @@ FTILE(2)
 FTILE(3)
 FTILE(4)
 
+/* Prefill-sized calls (`WIDE_MIN` rows or more, FMA build): each group's weights are widened
+   to float32 once per call into `wf` ([pairs][2][NB][16]: a pair's even input's 64 weights,
+   then its odd input's), which stays in L2, and WROWS rows at a time multiply against it, so
+   the vector ports do FMAs only (the tiles above widen each weight pair again for every tile
+   of four rows). The same products added in the same order: the same sums. */
+#define WROWS 5  /* 5 x 4 sums, 8 weight vectors and 2 inputs: 30 of 32 registers */
+#define WIDE_MIN 64  /* fewer rows: widening the weights costs more than it saves */
+
+static void widen_group(const uint16_t *wg, int64_t pairs, float *wf) {
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint16_t *wp = wg + p * NB * 32;
+        float *dst = wf + p * 2 * NB * 16;
+        prefetch_pair(wp);
+        for (int b = 0; b < NB; b++) {
+            __m512i v = _mm512_loadu_si512(wp + b * 32);
+            _mm512_store_ps(dst + b * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            _mm512_store_ps(dst + (NB + b) * 16, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        }
+    }
+}
+
+/* WROWS rows (`xr`: their float32 inputs; a short tile repeats its last row) over a widened
+   group. */
+static void wide_tile(const float *const *xr, int64_t pairs, const float *wf, __m512 *res) {
+    __m512 acc[WROWS][NB];
+    for (int i = 0; i < WROWS; i++)
+        for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const float *wp = wf + p * 2 * NB * 16;
+        __m512 we[NB], wo[NB];
+        for (int b = 0; b < NB; b++) {
+            we[b] = _mm512_load_ps(wp + b * 16);
+            wo[b] = _mm512_load_ps(wp + (NB + b) * 16);
+        }
+        for (int i = 0; i < WROWS; i++) {
+            __m512 xo = _mm512_set1_ps(xr[i][2 * p + 1]);
+            __m512 xe = _mm512_set1_ps(xr[i][2 * p]);
+            for (int b = 0; b < NB; b++)
+                acc[i][b] = _mm512_fmadd_ps(we[b], xe, _mm512_fmadd_ps(wo[b], xo, acc[i][b]));
+        }
+    }
+    for (int i = 0; i < WROWS; i++)
+        for (int b = 0; b < NB; b++) res[i * NB + b] = acc[i][b];
+}
+
 /* out[rows, o] = x[rows, k] . w^T (+ bias): x bf16 row-major (k even), w packed as
    [ceil(o/64)][k/2][64][2] bf16 (outputs past o are zero), bias bf16 [o] or NULL. `xf`:
    NULL, or x widened to float32 ([rows][k]) for the FMA tiles. */
@@ -167,11 +215,26 @@ static void linear(const uint16_t *x, const float *xf, const uint16_t *w, const 
                    uint16_t *out, int64_t rows, int64_t k, int64_t o) {
     int64_t pairs = k / 2, groups = (o + 63) / 64;
     const uint32_t *xw = (const uint32_t *)x;
-    __m512 res[4 * NB];
+    __m512 res[WROWS * NB];
+    /* NULL (few rows, the vdpbf16ps build, or no memory): the tiles of up to four rows */
+    float *wf = xf && rows >= WIDE_MIN
+        ? (float *)aligned_alloc(64, (size_t)pairs * 2 * NB * 16 * sizeof(float)) : 0;
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *wg = w + g * pairs * NB * 32;
         const uint16_t *bg = bias ? bias + g * 64 : 0;
         int64_t valid = o - g * 64 < 64 ? o - g * 64 : 64;
+        if (wf) {
+            widen_group(wg, pairs, wf);
+            for (int64_t r = 0; r < rows; r += WROWS) {
+                int64_t n = rows - r >= WROWS ? WROWS : rows - r;
+                const float *xr[WROWS];
+                for (int64_t i = 0; i < WROWS; i++) xr[i] = xf + (r + (i < n ? i : n - 1)) * k;
+                wide_tile(xr, pairs, wf, res);
+                for (int64_t i = 0; i < n; i++)
+                    store(out + (r + i) * o + g * 64, res + i * NB, bg, valid);
+            }
+            continue;
+        }
         for (int64_t r = 0; r < rows;) {
             int64_t n = rows - r >= 4 ? 4 : rows - r;
             const uint32_t *xr = xw + r * pairs;
@@ -195,6 +258,7 @@ static void linear(const uint16_t *x, const float *xf, const uint16_t *w, const 
             r += n;
         }
     }
+    free(wf);
 }
 
 void pair_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out,
