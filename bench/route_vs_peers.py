@@ -15,9 +15,11 @@ within each round and the figures are medians. With --seeds the shared-prefix wo
 once per seed (prompt order and arrival times: one order alone can favour one router) and the
 mean over seeds is printed last. The engines are warmed up once and their prefix
 caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
-vLLM's own `cached_tokens`, TTFT mean / p99, throughput, and requests per engine (from each
-engine's `vllm:request_success_total`). Every process binds 127.0.0.1 (the engines' event
-sockets are ipc). radixray's routing decisions are logged in the run's log folder (KIND.log).
+vLLM's own `cached_tokens`, TTFT mean / p99, throughput, requests per engine (from each
+engine's `vllm:request_success_total`), and the router's CPU seconds over the run (its process
+and children: the engines share the machine's cores with it). Every process binds 127.0.0.1
+(the engines' event sockets are ipc). radixray's routing decisions are logged in the run's log
+folder (KIND.log).
 """
 
 from __future__ import annotations
