@@ -65,6 +65,15 @@ static inline __m512 dp(__m512 acc, __m512i w, __m512i x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
 }
 
+/* 16 weight pairs widened to float32: the even inputs' weights (each word's low half) and the
+   odd inputs' (its high half), exact. */
+static inline __m512 pair_even(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+static inline __m512 pair_odd(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* Adds the bias, rounds to bf16, stores the group's valid outputs (`valid` of 64). */
 static inline void store(uint16_t *out, const __m512 *acc, const uint16_t *bias, int64_t valid) {
     for (int b = 0; b < NB; b++) {
@@ -136,7 +145,6 @@ TILE(4)
 static void ftile##RT(const float *xf, int64_t k, int64_t pairs, const uint16_t *wg,      \
                       __m512 *res) {                                                      \
     __m512 acc[RT][NB];                                                                   \
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                             \
     for (int i = 0; i < RT; i++)                                                          \
         for (int b = 0; b < NB; b++) acc[i][b] = _mm512_setzero_ps();                     \
     for (int64_t p = 0; p < pairs; p++) {                                                 \
@@ -145,8 +153,8 @@ static void ftile##RT(const float *xf, int64_t k, int64_t pairs, const uint16_t 
         __m512 we[NB], wo[NB];                                                            \
         for (int b = 0; b < NB; b++) {                                                    \
             __m512i v = _mm512_loadu_si512(wp + b * 32);                                  \
-            we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                        \
-            wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, high));                       \
+            we[b] = pair_even(v);                                                         \
+            wo[b] = pair_odd(v);                                                          \
         }                                                                                 \
         for (int i = 0; i < RT; i++) {                                                    \
             __m512 xo = _mm512_set1_ps(xf[i * k + 2 * p + 1]);                            \
@@ -171,15 +179,14 @@ FTILE(4)
 #define WIDE_MIN 64  /* fewer rows: widening the weights costs more than it saves */
 
 static void widen_group(const uint16_t *wg, int64_t pairs, float *wf) {
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t p = 0; p < pairs; p++) {
         const uint16_t *wp = wg + p * NB * 32;
         float *dst = wf + p * 2 * NB * 16;
         prefetch_pair(wp);
         for (int b = 0; b < NB; b++) {
             __m512i v = _mm512_loadu_si512(wp + b * 32);
-            _mm512_store_ps(dst + b * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-            _mm512_store_ps(dst + (NB + b) * 16, _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+            _mm512_store_ps(dst + b * 16, pair_even(v));
+            _mm512_store_ps(dst + (NB + b) * 16, pair_odd(v));
         }
     }
 }
