@@ -3,8 +3,9 @@
 Two kinds of measurement, each repeated `repeats` times, median kept:
 - prefill: one request at a time with a fresh prompt of L tokens and `max_tokens=1`; its
   end-to-end latency is the prefill of L tokens in ceil(L / budget) chunked steps;
-- decode: B requests at once with short prompts and `max_tokens=M`; their median gap between
-  tokens is one decode step of batch B over contexts of about prompt + M / 2.
+- decode: B requests at once with prompts of `--decode-words` words and `max_tokens=M`; their
+  median gap between tokens is one decode step of batch B over contexts of about prompt + M / 2
+  (short prompts only leave a step's fixed cost and its context reads indistinguishable).
 `fit_profile` then solves for the four step coefficients (non-negative least squares). Point it
 at a worker, not a router, so that routing adds no time.
 
@@ -49,10 +50,11 @@ async def _prefill_samples(http, target, lengths, repeats, budget, rng) -> list[
     return samples
 
 
-async def _decode_samples(http, target, batches, max_tokens, rng) -> list[StepSample]:
+async def _decode_samples(http, target, batches, prompt_words, max_tokens, rng
+                         ) -> list[StepSample]:
     samples = []
-    for batch in batches:
-        reqs = [BenchRequest(f"fit-d{batch}-{i}", _prompt(16, rng), max_tokens, 0.0)
+    for batch, words in ((b, w) for w in prompt_words for b in batches):
+        reqs = [BenchRequest(f"fit-d{batch}-{i}", _prompt(words, rng), max_tokens, 0.0)
                 for i in range(batch)]
         runs = await asyncio.gather(*(send(http, target, r) for r in reqs))
         gaps = [g for o in runs if o.error is None for g in o.itl_s]
@@ -65,15 +67,17 @@ async def _decode_samples(http, target, batches, max_tokens, rng) -> list[StepSa
 
 
 async def measure(target: Target, base: TimeProfile, lengths: list[int], batches: list[int],
-                  repeats: int = 3, max_tokens: int = 64, seed: int = 0) -> list[StepSample]:
-    """Prefill and decode samples from the live endpoint `target` (streaming)."""
+                  repeats: int = 3, max_tokens: int = 64, seed: int = 0,
+                  decode_words: tuple[int, ...] = (16,)) -> list[StepSample]:
+    """Prefill and decode samples from the live endpoint `target` (streaming); the decode
+    batches run once per prompt length in `decode_words`."""
     rng = random.Random(seed)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         await send(http, target, BenchRequest("fit-warmup", "warm up", 2, 0.0))
         samples = await _prefill_samples(http, target, lengths, repeats, base.prefill_budget,
                                          rng)
-        samples += await _decode_samples(http, target, batches, max_tokens, rng)
+        samples += await _decode_samples(http, target, batches, decode_words, max_tokens, rng)
     return samples
 
 
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="profile JSON to write")
     parser.add_argument("--lengths", default="64,256,1024,2048", help="prompt words")
     parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--decode-words", default="16,128",
+                        help="prompt words of the decode probes, each with every batch: two or "
+                             "more lengths tell a step's context reads from its fixed cost")
     parser.add_argument("--kv-tokens", type=int, default=None)
     parser.add_argument("--prefill-budget", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3)
@@ -99,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     try:
-        samples = asyncio.run(measure(target, base, lengths, batches, args.repeats))
+        decode_words = tuple(int(x) for x in args.decode_words.split(","))
+        samples = asyncio.run(measure(target, base, lengths, batches, args.repeats,
+                                      decode_words=decode_words))
     except (RuntimeError, OSError, aiohttp.ClientError) as exc:
         print(f"fit: {exc}", file=sys.stderr)
         return 2
