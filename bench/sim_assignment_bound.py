@@ -27,9 +27,9 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from cluster.sim.report import summarize
-from cluster.sim.simulator import SimConfig, Simulator
+from cluster.sim.simulator import SimConfig, SimResult, Simulator
 from cluster.sim.time_model import TimeProfile
-from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix
+from cluster.sim.workloads import SharedPrefixConfig, Workload, generated_shared_prefix
 from router.policies import Policy
 from router.views import Decision, RouteRequest, WorkerView
 
@@ -57,10 +57,10 @@ class Assigned(Policy):
         return Decision(home.worker_id, "assigned")
 
 
-def run(job: tuple[str, int, float, int, argparse.Namespace]) -> tuple[float, float, float]:
-    """(hit rate, mean TTFT, p99 TTFT) of one policy (`assigned` with its mask and overflow,
-    or a router policy by name) on one seed."""
-    policy, mask, overflow_s, seed, args = job
+def simulate(policy: str, mask: int, overflow_s: float, seed: int,
+             args: argparse.Namespace) -> tuple[Workload, SimResult]:
+    """One policy (`assigned` with its mask and overflow, or a router policy by name) on the
+    workload of one seed."""
     workload = generated_shared_prefix(SharedPrefixConfig(
         groups=args.groups, prompts_per_group=args.per_group, system_prompt_len=args.system_len,
         question_len=args.question_len, output_len=16, rate=args.rate), seed)
@@ -69,7 +69,12 @@ def run(job: tuple[str, int, float, int, argparse.Namespace]) -> tuple[float, fl
     sim = Simulator(workload, config, TimeProfile.load(args.profile))
     if policy == "assigned":
         sim.core.policy = Assigned(mask, overflow_s)
-    s = summarize(sim.run())
+    return workload, sim.run()
+
+
+def run(job: tuple[str, int, float, int, argparse.Namespace]) -> tuple[float, float, float]:
+    """(hit rate, mean TTFT, p99 TTFT) of `simulate(*job)`."""
+    s = summarize(simulate(*job)[1])
     return s["hit_rate"], s["ttft_mean"], s["ttft_p99"]
 
 
