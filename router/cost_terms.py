@@ -16,11 +16,14 @@ The terms (seconds of score per second of the named quantity):
   waits behind it now, so a prefix every worker needs (a shared system prompt) gets computed
   there once instead of every request piling onto the workers that hold it. On any other
   worker, the part of the prefill that every worker would have to compute (the least prefill
-  among the candidates) weighs `idle_weight` + `stall_weight` x its requests (running and
-  queued), up to the full weight: it stalls those and nobody else; only what it recomputes
-  beyond that part weighs the full weight. Without that, a prefix holder with one request
-  weighed its own 128-token remainder 24-30 times, above an idle worker's whole 768-token
-  recompute at `idle_weight`, and the prefix was computed again.
+  among the candidates) weighs `idle_weight` too (+ `stall_weight` x its requests, running and
+  queued, up to the full weight; `stall_weight` is 0 by default): that work is done wherever
+  the request goes and burns no capacity; only what it recomputes beyond that part weighs the
+  full weight. With the full weight on it, a prefix holder with one request weighed its own
+  128-token remainder 24-30 times, above an idle worker's whole 768-token recompute at
+  `idle_weight`, and the prefix was computed again; with 8 per request it stalls, a holder of
+  a group's prefix with one to four requests decoding still sent the next request of the group
+  to recompute on an idle engine whose cold prefill takes seconds (docs/benchmarks.md).
 - `tail`: the part of the TTFT past `tail_ttft_s` counts `weight` times more, so a request is
   not left to wait into the tail for the sake of its cached prefix.
 - `guard`: a worker where the request's TTFT would be in the tail and more than `margin_s` +
@@ -76,8 +79,10 @@ class ComputeTerm:
     # on a worker that is not idle, the part of the prefill every worker would compute (the
     # least among the candidates) weighs idle_weight plus this per request there (decoding or
     # queued: it stalls each of them), up to the full weight; its recompute beyond that part
-    # weighs the full weight
-    stall_weight: float = 8.0
+    # weighs the full weight. 8 balances new chat sessions a little better (synthetic chat at
+    # load 0.95: 0.060 s mean TTFT against 0.066 s) and copies prefixes off their holders on
+    # slow engines (docs/benchmarks.md)
+    stall_weight: float = 0.0
     # True: a worker with no prefill queued counts as idle even while it decodes. Latency
     # first: lower TTFT, fewer hits (Mooncake matrix: 0.74-0.89 of pooled); under KV pressure
     # it can queue badly (chat, load 0.8, 200k KV: 11x the mean TTFT)

@@ -124,12 +124,15 @@ def test_cli_json_is_one_object_and_deterministic(tmp_path, capsys):
 
 
 def test_cli_cost_config_reaches_the_cost_policy(capsys):
-    # latency first: recomputing on a worker that only decodes is free, so fewer prompts go
-    # where their system prompt is cached (0.809 vs 0.824 when written)
+    # with decoding requests charged as stalled (stall_weight 8), latency first: recomputing on
+    # a worker that only decodes is free, so fewer prompts go where their system prompt is
+    # cached (0.816 vs 0.824 when written)
     argv = ["--workload", "shared-prefix", "--groups", "16", "--prompts-per-group", "8",
             "--rate", "40", "--workers", "4", "--policy", "cost", "--json", "--no-progress"]
     hit = []
-    for extra in ([], ["--cost-config", '{"compute": {"idle_while_decoding": true}}']):
+    stalls = '{"compute": {"stall_weight": 8%s}}'
+    for extra in (["--cost-config", stalls % ""],
+                  ["--cost-config", stalls % ', "idle_while_decoding": true']):
         assert _cli(argv + extra) == 0
         hit.append(json.loads(capsys.readouterr().out)["cost"]["hit_rate"])
     assert hit[1] < hit[0] - 0.005
