@@ -4,26 +4,21 @@ a request leaves its engine only past the overflow wait."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sim_assignment_bound.py"
+from tests.bench_scripts import BENCH, load_bench_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("sim_assignment_bound", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("sim_assignment_bound")
 
 
 def settings(**kw) -> argparse.Namespace:
     base = dict(groups=4, per_group=4, system_len=640, question_len=200, rate=1.0,
-                kv_tokens=40_000, event_delay=0.25, profile=str(SCRIPT.parent / "profiles"
-                                                               / "vllm_cpu_smollm2_intel.json"))
+                kv_tokens=40_000, event_delay=0.25,
+                profile=str(BENCH / "profiles" / "vllm_cpu_smollm2_intel.json"))
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -3,20 +3,16 @@ matrix's `--summary`; the other policies' figures are kept as they were."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "sweep_cost_weights.py"
+from tests.bench_scripts import load_bench_script
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("sweep_cost_weights", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("sweep_cost_weights")
 
 
 def saved_run(pooled: float) -> list[dict]:
