@@ -36,6 +36,11 @@ from router.views import Decision, RouteRequest, WorkerView
 PROFILE = Path(__file__).parent / "profiles" / "vllm_cpu_smollm2.json"
 
 
+def group_of(request_id: str) -> int:
+    """The group of a generated shared-prefix request (`g<group>p<prompt>`)."""
+    return int(request_id.split("p")[0][1:])
+
+
 class Assigned(Policy):
     """Each group to the engine its bit in `mask` names; past `overflow_s` of predicted wait
     there, the other engine."""
@@ -48,7 +53,7 @@ class Assigned(Policy):
         self.overflow_s = overflow_s
 
     def choose(self, request: RouteRequest, workers: Sequence[WorkerView]) -> Decision:
-        group = int(request.request_id.split("p")[0][1:])
+        group = group_of(request.request_id)
         ordered = sorted(workers, key=lambda w: w.worker_id)
         home = ordered[(self.mask >> group) & 1]
         if home.estimate.wait_s > self.overflow_s:

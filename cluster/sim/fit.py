@@ -33,6 +33,9 @@ def _prompt(words: int, rng: random.Random) -> str:
     return " ".join(f"q{rng.randrange(10**9)}" for _ in range(words))
 
 
+DECODE_WORDS = (16, 128)  # prompt words of the decode probes (see the module docstring)
+
+
 async def _prefill_samples(http, target, lengths, repeats, budget, rng) -> list[StepSample]:
     samples = []
     for words in lengths:
@@ -68,7 +71,7 @@ async def _decode_samples(http, target, batches, prompt_words, max_tokens, rng
 
 async def measure(target: Target, base: TimeProfile, lengths: list[int], batches: list[int],
                   repeats: int = 3, max_tokens: int = 64, seed: int = 0,
-                  decode_words: tuple[int, ...] = (16,)) -> list[StepSample]:
+                  decode_words: tuple[int, ...] = DECODE_WORDS) -> list[StepSample]:
     """Prefill and decode samples from the live endpoint `target` (streaming); the decode
     batches run once per prompt length in `decode_words`."""
     rng = random.Random(seed)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="profile JSON to write")
     parser.add_argument("--lengths", default="64,256,1024,2048", help="prompt words")
     parser.add_argument("--batches", default="1,4,16")
-    parser.add_argument("--decode-words", default="16,128",
+    parser.add_argument("--decode-words", default=",".join(map(str, DECODE_WORDS)),
                         help="prompt words of the decode probes, each with every batch: two or "
                              "more lengths tell a step's context reads from its fixed cost")
     parser.add_argument("--kv-tokens", type=int, default=None)

@@ -22,11 +22,11 @@ def settings(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{**base, **kw})
 
 
-def groups_per_engine(workload, result) -> dict[int, set[int]]:
+def groups_per_engine(bound, workload, result) -> dict[int, set[int]]:
     """group -> the engines its requests ran on."""
     out: dict[int, set[int]] = {}
     for request, worker in zip(workload.requests, result.worker_of, strict=True):
-        out.setdefault(int(request.request_id.split("p")[0][1:]), set()).add(worker)
+        out.setdefault(bound.group_of(request.request_id), set()).add(worker)
     return out
 
 
@@ -34,7 +34,7 @@ def groups_per_engine(workload, result) -> dict[int, set[int]]:
 def test_each_group_stays_on_the_engine_its_bit_names(mask):
     bound = load_script()
     workload, result = bound.simulate("assigned", mask, math.inf, 0, settings())
-    assert groups_per_engine(workload, result) == {g: {(mask >> g) & 1} for g in range(4)}
+    assert groups_per_engine(bound, workload, result) == {g: {(mask >> g) & 1} for g in range(4)}
 
 
 def test_an_overflow_moves_requests_off_their_engine():

@@ -130,10 +130,9 @@ def test_cli_cost_config_reaches_the_cost_policy(capsys):
     argv = ["--workload", "shared-prefix", "--groups", "16", "--prompts-per-group", "8",
             "--rate", "40", "--workers", "4", "--policy", "cost", "--json", "--no-progress"]
     hit = []
-    stalls = '{"compute": {"stall_weight": 8%s}}'
-    for extra in (["--cost-config", stalls % ""],
-                  ["--cost-config", stalls % ', "idle_while_decoding": true']):
-        assert _cli(argv + extra) == 0
+    for config in ('{"compute": {"stall_weight": 8}}',
+                   '{"compute": {"stall_weight": 8, "idle_while_decoding": true}}'):
+        assert _cli([*argv, "--cost-config", config]) == 0
         hit.append(json.loads(capsys.readouterr().out)["cost"]["hit_rate"])
     assert hit[1] < hit[0] - 0.005
 
