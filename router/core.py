@@ -267,6 +267,7 @@ class RoutingCore:
             view = self._view(worker, now)
             view.matched_blocks = match.device.get(worker.worker_id, 0)
             view.host_blocks = match.host.get(worker.worker_id, 0)
+            view.held_blocks = self.ledger.held_prefix(worker.worker_id, hashes)
             view.estimate = self.estimator.estimate(request, view)
             candidates.append(view)
         least_wait = min(v.estimate.wait_s for v in candidates)
@@ -367,12 +368,14 @@ def is_snapshot(events: Sequence[object]) -> bool:
 
 def _describe(request: RouteRequest, decision: Decision, views: Sequence[WorkerView]) -> str:
     """One line per decision: the request's size, the choice and why, then per candidate its
-    match (blocks), booked requests, queue and estimate (wait, prefill, first step), seconds."""
+    match (blocks), the leading blocks its booked requests hold, booked requests, queue and
+    estimate (wait, prefill, first step), seconds."""
     parts = [f"{request.request_id} tokens={request.num_tokens} -> {decision.worker_id} "
              f"({decision.reason})"]
     for v in views:
         e = v.estimate
-        parts.append(f"{v.worker_id}: match={v.matched_blocks} booked={v.requests} "
+        parts.append(f"{v.worker_id}: match={v.matched_blocks} held={v.held_blocks} "
+                     f"booked={v.requests} "
                      f"queue={v.queue_s:.3f} wait={e.wait_s:.3f} prefill={e.prefill_s:.3f} "
                      f"step={e.step_s:.3f}")
     return " | ".join(parts)

@@ -161,7 +161,8 @@ class Estimator:
         self, request: RouteRequest, view: WorkerView, load: int, step: float
     ) -> float:
         """Wait for a running slot (past `max_running`) or for KV room (past the worker's KV,
-        its running requests holding their whole context, a prefix they share held once)."""
+        its running requests holding their whole context, a prefix they share held once; the
+        request needs room only for what it does not share with them)."""
         requests = view.requests
         if not requests:
             return 0.0
@@ -175,7 +176,8 @@ class Estimator:
         stats = view.stats
         if stats is None or stats.kv_total <= 0:
             return wait
-        overflow = view.kv_tokens + request.num_tokens + request.expected_output
+        shared = min(view.held_blocks * request.block_size, request.num_tokens)
+        overflow = view.kv_tokens + request.num_tokens - shared + request.expected_output
         overflow -= stats.kv_total - stats.kv_session
         if overflow <= 0:
             return wait

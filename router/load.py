@@ -156,6 +156,18 @@ class LoadLedger:
         drain = self._drains.get(worker_id)
         return 0.0 if drain is None else drain.rate(now)
 
+    def held_prefix(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the worker's bookings hold: KV a request over
+        that prefix shares with them instead of taking room of its own."""
+        load = self._loads.get(worker_id)
+        if load is None or not load.blocks:
+            return 0
+        held = load.blocks
+        for i, h in enumerate(hashes):
+            if h not in held:
+                return i
+        return len(hashes)
+
     def queue_s(self, worker_id: str, now: float) -> float:
         """Predicted seconds until the worker's booked prefill queue drains."""
         load = self._loads.get(worker_id)

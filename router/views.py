@@ -47,6 +47,7 @@ class WorkerView:
     decode_tokens: int = 0  # booked expected output tokens
     active_tokens: int = 0  # booked contexts: prompt + expected output, each request's own
     kv_tokens: int = 0  # the KV those hold: a prefix several of them share counted once
+    held_blocks: int = 0  # leading blocks of the request those hold already: KV it shares
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
     affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here

@@ -105,6 +105,36 @@ def test_cost_keeps_a_prefix_holder_whose_requests_share_it() -> None:
     assert holder.estimate.wait_s > 0.5
 
 
+def test_held_prefix_counts_the_leading_blocks_bookings_hold() -> None:
+    ledger = LoadLedger()
+    assert ledger.held_prefix("w0", [1, 2, 3]) == 0
+    ledger.book(Booking("a", "w0", prefill_tokens=10, decode_tokens=4, active_tokens=400,
+                        prefill_s=0.1, prefill_done_at=0.0, hashes=[1, 2, 3],
+                        block_size=128), now=0.0)  # fmt: skip
+    assert ledger.held_prefix("w0", [1, 2, 3, 4]) == 3
+    assert ledger.held_prefix("w0", [1, 9, 3]) == 1  # a prefix: stops at the first miss
+    assert ledger.held_prefix("w1", [1, 2]) == 0
+    ledger.release("a", now=1.0)
+    assert ledger.held_prefix("w0", [1, 2, 3]) == 0
+
+
+def test_a_request_needs_room_only_for_what_it_does_not_share() -> None:
+    """Seven requests of several 640-token system prompts nearly fill a 5,120-token engine
+    (vLLM-CPU with 40 blocks of 128, as in bench/route_vs_peers.py). The next request of a prompt
+    they hold needs room only for its own ~200 tokens and output: no wait. An unrelated prompt of
+    the same size needs all of it, and waits for the drain. (Live, the whole prompt was counted:
+    a 24 s wait moved a group off its holder and copied its prefix to the other engine.)"""
+    estimator = Estimator()
+    request = RouteRequest("r", 826, 6, 16, 128)
+    stats = WorkerStats("w0", kv_total=5120)
+    holder = WorkerView("w0", stats, matched_blocks=5, held_blocks=5, requests=7,
+                        decode_tokens=7 * 16, active_tokens=7 * 850, kv_tokens=4500,
+                        drain_tokens_per_s=50.0)  # fmt: skip
+    assert estimator.estimate(request, holder).wait_s == 0.0
+    holder.held_blocks = 0  # the same worker, a prompt its requests do not share
+    assert estimator.estimate(request, holder).wait_s == pytest.approx((4500 + 842 - 5120) / 50)
+
+
 def test_cost_avoids_a_worker_whose_kv_is_full_until_it_drains() -> None:
     policy = make_policy("cost", PolicyConfig(cost=CostTerms(compute=ComputeTerm(weight=0.5))))
     request = RouteRequest("r", 4000, 250, 100, 16)
