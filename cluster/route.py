@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily
 
 from cluster.config import API_KEY_ENV, json_object
-from router.backends import Backend, HttpBackend
+from router.backends import PROBE_TOKENS, Backend, HttpBackend
 from router.config import RouterConfig
 from router.engine_events import EngineEventsConfig, EngineEventStream
 from router.engine_metrics import parse_engine_metrics
@@ -91,14 +91,15 @@ def parse_worker(text: str) -> WorkerSpec:
 
 
 def spec_backend(spec: WorkerSpec, worker_id: str, block_size: int | None,
-                 api_key: str | None) -> HttpBackend:
+                 api_key: str | None, probe_tokens: int = PROBE_TOKENS) -> HttpBackend:
     """The router's backend of one engine, following its KV events where it publishes them
-    (hashed at `block_size`; None: the engine's own block size)."""
+    (hashed at `block_size`; None: the engine's own block size), its speeds probed at join
+    with a prompt of `probe_tokens` (0: not probed)."""
     events = None
     if spec.events is not None:
         events = EngineEventsConfig(spec.events, spec.replay)
     return HttpBackend(worker_id, spec.url, api_key=api_key, events=events,
-                       block_size=block_size)
+                       block_size=block_size, probe_tokens=probe_tokens)
 
 
 class ExternalWorkers:
@@ -110,12 +111,15 @@ class ExternalWorkers:
     stopped routing to it and closed its backend; the engine keeps running).
     """
 
-    def __init__(self, block_size: int, api_key: str | None = None) -> None:
+    def __init__(self, block_size: int, api_key: str | None = None,
+                 probe_tokens: int = PROBE_TOKENS) -> None:
         self.block_size = block_size
         self.api_key = api_key
+        self.probe_tokens = probe_tokens
 
     def backend(self, spec: WorkerSpec) -> HttpBackend:
-        return spec_backend(spec, spec.worker_id, self.block_size, self.api_key)
+        return spec_backend(spec, spec.worker_id, self.block_size, self.api_key,
+                            self.probe_tokens)
 
     def add_worker(self) -> Backend:
         raise bad_request('radixray route adds engines by address: POST /v1/workers with '
@@ -207,6 +211,10 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
                         f"${API_KEY_ENV}); engines are called with the same key")
+    parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS, metavar="N",
+                        help="at join, time a few prompts of the router's own (the longest N "
+                        "tokens) on each idle engine, to price requests by its real speeds "
+                        "before its traffic measures them; 0: no probe (default: %(default)s)")
     parser.add_argument("--wait-s", type=float, default=600.0, metavar="S",
                         help="how long to wait for the engines at start (default: %(default)s)")
     parser.add_argument("--log-level", default="warning",
@@ -234,7 +242,9 @@ def build_app(args: argparse.Namespace) -> object:
     block_size = args.block_size or engine_block_size([s.url for s in specs], args.wait_s)
     if block_size is not None:
         config = dataclasses.replace(config, block_size=block_size)
-    workers = ExternalWorkers(config.block_size, api_key)
+    if args.probe_tokens < 0:
+        raise ValueError(f"--probe-tokens must be 0 or more, got {args.probe_tokens}")
+    workers = ExternalWorkers(config.block_size, api_key, args.probe_tokens)
     app = create_app(config, [workers.backend(s) for s in specs], control=workers)
     router = app.state.router
     router.metrics.registry.register(EngineEventsCollector(router.registry))

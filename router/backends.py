@@ -11,6 +11,9 @@ Errors are two kinds, and the dispatcher treats them differently:
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -18,9 +21,15 @@ from typing import Any
 
 from router.engine_events import EngineEventsConfig, EngineEventStream
 from router.engine_metrics import EngineMetrics, parse_engine_metrics
+from router.engine_probe import ProbeTiming, probe_engine
 from router.engine_speed import EngineSpeed
 from router.sse import sse_json
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
+
+log = logging.getLogger("radixray.router")
+
+PROBE_TOKENS = 1024  # the long prompt of an external engine's probe (`router.engine_probe`)
+PROBE_TIMEOUT_S = 120.0  # a probe that takes longer is given up: the prior stands in
 
 
 class BackendDead(Exception):
@@ -60,6 +69,10 @@ class Backend(ABC):
 
     @abstractmethod
     async def close_session(self, session_id: str) -> bool: ...
+
+    async def calibrate(self) -> None:  # noqa: B027 - most workers measure themselves
+        """Measures the worker's speeds before it takes requests, where only the router can
+        (an external engine: `HttpBackend.calibrate`); called once it is `ready()`."""
 
     async def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
         """Releases connections; the worker itself keeps running."""
@@ -158,7 +171,8 @@ class HttpBackend(Backend):
     requests, and its start time (a new one: the engine restarted, its events are purged).
     Its prefill speed and decode step are timed on the router's own streams, the prefill
     speed on the engine's own timings where its `/metrics` has them (`router.engine_speed`),
-    and reported in `stats()`, as our workers report theirs.
+    and reported in `stats()`, as our workers report theirs; until those give figures, a probe
+    of `probe_tokens` run at join on the idle engine stands in (`calibrate`; 0: no probe).
     `block_size` is the granularity its KV events are hashed at, reported by `ready()` as the
     engine shape's `block_size`; None: the engine's own block size. An engine that reports
     none leaves it to the router's default (`EngineShape.from_info`), and then cannot have
@@ -175,6 +189,7 @@ class HttpBackend(Backend):
         timeout_s: float = 600.0,
         events: EngineEventsConfig | None = None,
         block_size: int | None = None,
+        probe_tokens: int = PROBE_TOKENS,
     ) -> None:
         self.worker_id = worker_id
         self.base_url = base_url.rstrip("/")
@@ -188,6 +203,8 @@ class HttpBackend(Backend):
         self.events: EngineEventStream | None = None
         self.engine = EngineMetrics()
         self.speed = EngineSpeed()
+        self.probe_tokens = probe_tokens
+        self.max_context = 0  # the engine's context length where `ready()` read it
         self._session: Any = None
 
     def _http(self) -> Any:
@@ -224,11 +241,57 @@ class HttpBackend(Backend):
             self.events.start()
         # an OpenAI server tells its context length; vLLM's /metrics its block size. The rest
         # of its shape (max_running, prefill_budget) is unknown: the router's defaults hold.
+        self.max_context = int(card.get("max_model_len") or 0)
         return {
             "model": self.model,
             "block_size": self.block_size,
-            "max_context": int(card.get("max_model_len") or 0),
+            "max_context": self.max_context,
         }
+
+    async def calibrate(self) -> None:
+        """Probes the engine's prefill speed and decode step (`router.engine_probe`) once, if
+        it is idle (a busy engine's timings would carry its queue; the router then learns
+        from its own traffic). A probe that fails or times out leaves the figures unmeasured:
+        logged, and the engine still joins."""
+        e = self.engine
+        busy = self.running or (e.running or 0) or (e.waiting or 0)
+        if self.probe_tokens <= 0 or self.speed.probed != (0.0, 0.0) or busy:
+            return
+        try:
+            result = await asyncio.wait_for(
+                probe_engine(self._probe_request, random.Random(), self.probe_tokens,
+                             self.max_context),
+                PROBE_TIMEOUT_S)
+        except (BackendDead, BackendRequestError, asyncio.TimeoutError) as exc:
+            log.warning("probing engine %s failed, its speeds are learnt from traffic: %s",
+                        self.worker_id, exc or "timed out")
+            return
+        self.speed.calibrate(result.prefill_tokens_per_s, result.decode_step_s)
+        log.info("engine %s probed: prefill %.0f tokens/s, decode step %.4f s", self.worker_id,
+                 result.prefill_tokens_per_s, result.decode_step_s)
+
+    async def _probe_request(self, prompt: str, max_tokens: int) -> ProbeTiming:
+        """One probe prompt, greedy, exactly `max_tokens` out, timed to its whole answer."""
+        import aiohttp
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0.0, "ignore_eos": True}
+        start = time.monotonic()
+        try:
+            async with self._http().post(self.base_url + "/v1/completions", json=body) as resp:
+                answer = await resp.json(content_type=None)
+                status = resp.status
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+        seconds = time.monotonic() - start
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        if status != 200 or not isinstance(usage, dict):
+            raise BackendRequestError(f"{self.worker_id}: probe answered {status}: "
+                                      f"{str(answer)[:200]}")
+        details = usage.get("prompt_tokens_details") or {}
+        return ProbeTiming(seconds, int(usage.get("prompt_tokens") or 0),
+                           int(details.get("cached_tokens") or 0),
+                           int(usage.get("completion_tokens") or 0))
 
     async def _scrape(self) -> None:
         """Reads the engine's `/metrics`; a new start time (it restarted) purges its events and
@@ -246,7 +309,7 @@ class HttpBackend(Backend):
             metrics = EngineMetrics()
         before = self.engine.start_time
         if before is not None and metrics.start_time != before:  # a new engine: timed anew
-            self.speed = EngineSpeed(self.speed.config, self.speed.clock)
+            self.speed = self.speed.fresh()
             if self.events is not None:
                 self.events.purge("restart")
         self._observe_prefills(metrics)

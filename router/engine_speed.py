@@ -37,6 +37,15 @@ alone would price the engine below its peers, which would then get every request
 engine's speed is the line clamped between that floor and `max_over_envelope` times it, and
 the floor alone while there is no line.
 
+Until the timings give a figure, a probe run when the router took the engine on stands in
+(`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without
+one, the fleet's median or a fixed prior (8,000 tokens/s) stood in, and a prior is far off
+on some engine: live, on two vLLM-CPU engines at ~300 tokens/s, the first 8-31 requests of
+each run were priced at it, a cold 870-token prompt at 0.11-0.14 s against a real 2.7 s, and
+copying a prefix to the engine without it looked nearly free. The probe's figures are the
+engine's, not its timings': they do not age out, and they survive its restart (same address,
+same hardware).
+
 Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
 since would otherwise keep that figure forever, and `cost` would keep routing around it; with
 its figures gone it is priced like its peers again and measured anew.
@@ -103,6 +112,18 @@ class EngineSpeed:
         self._prefill: deque[tuple[float, float, float]] = deque(maxlen=self.config.window)
         self._steps: deque[tuple[float, float]] = deque(maxlen=self.config.window)
         self.engine_timed = False  # the engine times its own prefills: its points only
+        # (prefill tokens/s, decode step s) a probe measured on the idle engine; 0: none
+        self.probed: tuple[float, float] = (0.0, 0.0)
+
+    def fresh(self) -> EngineSpeed:
+        """A new record for a restarted engine: no timings, the probe's figures kept."""
+        speed = EngineSpeed(self.config, self.clock)
+        speed.probed = self.probed
+        return speed
+
+    def calibrate(self, prefill_tokens_per_s: float, decode_step_s: float) -> None:
+        """A probe's figures (0: not measured), used until the timings give their own."""
+        self.probed = (max(0.0, prefill_tokens_per_s), max(0.0, decode_step_s))
 
     def observe(
         self,
@@ -140,7 +161,11 @@ class EngineSpeed:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """Uncached prompt tokens per second; 0.0 when unknown."""
+        """Uncached prompt tokens per second: from the timings, else the probe's; 0.0 when
+        unknown."""
+        return self._timed_speed() or self.probed[0]
+
+    def _timed_speed(self) -> float:
         self._expire()
         line = self._line()
         if not self.engine_timed:
@@ -172,8 +197,9 @@ class EngineSpeed:
 
     @property
     def decode_step_s(self) -> float:
-        """Seconds per generated token after the first; 0.0 when unknown."""
+        """Seconds per generated token after the first: from the timings, else the probe's;
+        0.0 when unknown."""
         self._expire()
         if len(self._steps) < self.config.min_steps:
-            return 0.0
+            return self.probed[1]
         return median(step for _, step in self._steps)

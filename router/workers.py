@@ -1,10 +1,11 @@
 """`WorkerSync`: the router's link to its workers' backends: joining, polling, reviving.
 
 It keeps the registry's records (`router.registry`) in step with the workers: a worker joins
-once its backend answers `ready()` (its engine shape, then its stats and a snapshot of its
-cache); KV events are pulled every `event_poll_s`, stats every `stats_poll_s`; a worker whose
-poll fails is marked dead (purged from routing at once) and probed every `revive_s`, re-added
-with a fresh snapshot when it answers again.
+once its backend answers `ready()` and `calibrate()` (its engine shape, its speeds where the
+router must measure them, then its stats and a snapshot of its cache); KV events are pulled
+every `event_poll_s`, stats every `stats_poll_s`; a worker whose poll fails is marked dead
+(purged from routing at once) and probed every `revive_s`, re-added with a fresh snapshot
+when it answers again.
 
 The cluster launcher drives it through plain methods that run on the router's event loop:
 `attach(backend)` (a worker is ready, or was restarted), `detach(worker_id)` (it is gone),
@@ -46,8 +47,10 @@ class WorkerSync:
     # --- membership ---------------------------------------------------------------------------
 
     async def add(self, backend: Backend) -> WorkerState:
-        """Waits for the worker, then routes to it; its cache arrives as a snapshot."""
+        """Waits for the worker (and its probe, `Backend.calibrate`), then routes to it; its
+        cache arrives as a snapshot."""
         info = await backend.ready()
+        await backend.calibrate()
         shape = EngineShape.from_info(info, self.registry.default_shape)
         worker = self.registry.add(backend.worker_id, shape, backend)
         stats = await _stats_or_none(backend)
