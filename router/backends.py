@@ -251,20 +251,30 @@ class HttpBackend(Backend):
     async def calibrate(self) -> None:
         """Probes the engine's prefill speed and decode step (`router.engine_probe`) once, if
         it is idle (a busy engine's timings would carry its queue; the router then learns
-        from its own traffic). A probe that fails or times out leaves the figures unmeasured:
-        logged, and the engine still joins."""
+        from its own traffic). Where the engine counts its prefills (vLLM's `/metrics`), a
+        probe it served other requests beside (another router's probe, say) is not used. A
+        probe that fails or times out leaves the figures unmeasured: logged, and the engine
+        still joins."""
         e = self.engine
         busy = self.running or (e.running or 0) or (e.waiting or 0)
         if self.probe_tokens <= 0 or self.speed.probed != (0.0, 0.0) or busy:
             return
+        before = e.prefills
         try:
             result = await asyncio.wait_for(
                 probe_engine(self._probe_request, random.Random(), self.probe_tokens,
                              self.max_context),
                 PROBE_TIMEOUT_S)
-        except (BackendDead, BackendRequestError, asyncio.TimeoutError) as exc:
-            log.warning("probing engine %s failed, its speeds are learnt from traffic: %s",
-                        self.worker_id, exc or "timed out")
+            await self._scrape()
+        except Exception as exc:  # noqa: BLE001 - a probe never keeps an engine out
+            log.warning("probing engine %s failed, its speeds are learnt from traffic: %r",
+                        self.worker_id, exc)
+            return
+        after = self.engine.prefills
+        if before is not None and after is not None and after[0] - before[0] > result.requests:
+            log.warning("engine %s served %d other requests during its probe: not used, its "
+                        "speeds are learnt from traffic", self.worker_id,
+                        after[0] - before[0] - result.requests)
             return
         self.speed.calibrate(result.prefill_tokens_per_s, result.decode_step_s)
         log.info("engine %s probed: prefill %.0f tokens/s, decode step %.4f s", self.worker_id,
@@ -289,9 +299,12 @@ class HttpBackend(Backend):
             raise BackendRequestError(f"{self.worker_id}: probe answered {status}: "
                                       f"{str(answer)[:200]}")
         details = usage.get("prompt_tokens_details") or {}
-        return ProbeTiming(seconds, int(usage.get("prompt_tokens") or 0),
-                           int(details.get("cached_tokens") or 0),
-                           int(usage.get("completion_tokens") or 0))
+        try:
+            return ProbeTiming(seconds, int(usage.get("prompt_tokens") or 0),
+                               int(details.get("cached_tokens") or 0),
+                               int(usage.get("completion_tokens") or 0))
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise BackendRequestError(f"{self.worker_id}: probe usage {usage!r}") from exc
 
     async def _scrape(self) -> None:
         """Reads the engine's `/metrics`; a new start time (it restarted) purges its events and

@@ -61,6 +61,7 @@ Complete = Callable[[str, int], Awaitable[ProbeTiming]]
 class ProbeResult:
     prefill_tokens_per_s: float  # 0: not measured
     decode_step_s: float  # 0: not measured
+    requests: int  # probe requests sent
 
 
 def probe_text(rng: random.Random, chars: int) -> str:
@@ -90,7 +91,7 @@ async def probe_engine(
     chars_per_token = len(warm_text) / max(1, warm.prompt_tokens)
     long_tokens = target_tokens if max_context <= 0 else min(target_tokens, max_context // 2)
     if long_tokens < 4 * short_tokens:
-        return ProbeResult(0.0, 0.0)
+        return ProbeResult(0.0, 0.0, 1)
 
     def text(tokens: int) -> str:
         return probe_text(rng, int(tokens * chars_per_token))
@@ -109,4 +110,4 @@ async def probe_engine(
     extra = stepped.completion_tokens - short.completion_tokens
     if extra > 0 and stepped.seconds > short.seconds:
         step = (stepped.seconds - short.seconds) / extra
-    return ProbeResult(speed, step)
+    return ProbeResult(speed, step, 5)

@@ -91,10 +91,12 @@ def test_speed_reports_the_probe_until_timings_replace_it():
 
 class FakeServer:
     """An OpenAI completions endpoint over `Engine` (sleeping its seconds), with `/metrics`
-    saying how many requests run and `/v1/models` its context."""
+    saying how many requests run and how many prefills it timed (as vLLM's histograms do:
+    its own, plus `others` served beside the first one), and `/v1/models` its context."""
 
-    def __init__(self, engine: Engine, running: int = 0, refuse: bool = False) -> None:
-        self.engine, self.running, self.refuse = engine, running, refuse
+    def __init__(self, engine: Engine, running: int = 0, refuse: bool = False,
+                 others: int = 0) -> None:
+        self.engine, self.running, self.refuse, self.others = engine, running, refuse, others
         self.url = ""
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -109,9 +111,15 @@ class FakeServer:
                                             "completion_tokens": max_tokens}})
 
     async def metrics(self, _request: web.Request) -> web.Response:
+        served = len(self.engine.prompts)
+        prefills = served + (self.others if served else 0)
         return web.Response(text=f'process_start_time_seconds 1.0\n'
                             f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
-                            f'vllm:num_requests_waiting{{engine="0"}} 0\n')
+                            f'vllm:num_requests_waiting{{engine="0"}} 0\n'
+                            f'vllm:request_prefill_time_seconds_count{{engine="0"}} {prefills}\n'
+                            f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {prefills}\n'
+                            f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0"}} '
+                            f'{100 * prefills}\n')
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m", "max_model_len": 4096}]})
@@ -156,12 +164,14 @@ def test_an_idle_engine_is_probed_before_it_takes_requests():
     assert fleet_speed == stats.prefill_tokens_per_s  # what `cost` prices new workers at
 
 
-@pytest.mark.parametrize("case", ["busy", "refuses", "off"])
+@pytest.mark.parametrize("case", ["busy", "refuses", "off", "shared"])
 def test_no_probe_or_a_failed_one_leaves_the_speeds_to_traffic(case: str, caplog):
     """A busy engine is not probed (its queue would be in the timings), one that refuses the
-    probe still joins (logged), and `probe_tokens` 0 sends nothing."""
+    probe still joins (logged), `probe_tokens` 0 sends nothing, and a probe the engine served
+    other requests beside (its prefill count says so) is not used."""
     engine = Engine()
-    server = FakeServer(engine, running=1 if case == "busy" else 0, refuse=case == "refuses")
+    server = FakeServer(engine, running=1 if case == "busy" else 0, refuse=case == "refuses",
+                        others=2 if case == "shared" else 0)
 
     async def test(server: FakeServer):
         backend = HttpBackend("h", server.url, block_size=16,
@@ -176,5 +186,6 @@ def test_no_probe_or_a_failed_one_leaves_the_speeds_to_traffic(case: str, caplog
     with caplog.at_level("WARNING", logger="radixray.router"):
         stats = asyncio.run(server.serve(test))
     assert stats.prefill_tokens_per_s == 0.0 and stats.decode_step_s == 0.0
-    assert engine.prompts == []
+    assert len(engine.prompts) == (5 if case == "shared" else 0)
     assert ("probing engine h failed" in caplog.text) == (case == "refuses")
+    assert ("2 other requests during its probe" in caplog.text) == (case == "shared")
