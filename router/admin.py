@@ -28,6 +28,8 @@ _WORKER_KEYS = (
     "running",
     "waiting",
     "sessions",
+    "prefill_tokens_per_s",
+    "decode_step_s",
 )
 
 

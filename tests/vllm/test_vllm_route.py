@@ -183,6 +183,23 @@ def test_engine_shape_is_read_not_assumed(router, engines):
         router.url + "/v1/workers", timeout=10).json()["data"]} == {12 * BLOCK}))
 
 
+def test_engines_are_probed_at_join(router, engines):
+    """Before any request was routed, each engine's prefill speed and decode step are its own,
+    probed at join, and what the estimate prices with, not the prior."""
+    rows = requests.get(router.url + "/v1/workers", timeout=10).json()["data"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_step_s"] > 0
+    for engine in engines:
+        backend = router.app.state.router.registry[engine.url.removeprefix("http://")].backend
+        assert backend.speed.probed[0] > 0 and backend.speed.probed[1] > 0
+    core = router.app.state.router.core
+    fleet = core.estimator.fleet
+    assert fleet.prefill_tokens_per_s != fleet.prior_prefill_tokens_per_s
+    assert min(r["prefill_tokens_per_s"] for r in rows) <= fleet.prefill_tokens_per_s <= max(
+        r["prefill_tokens_per_s"] for r in rows)
+
+
 def _assert(ok: bool) -> None:
     assert ok
 
