@@ -159,14 +159,18 @@ def router_env(kind: str, args) -> dict[str, str]:
 def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], args,
             log: Path) -> dict:
     reset_caches(engines)
-    before = [finished_requests(e.url) for e in engines]
     port = free_port()
+    # `python -m` puts the working directory first on the path, ahead of PYTHONPATH: the
+    # base checkout's router runs from the base checkout
+    cwd = args.base_tree if kind == "radixray-base" else None
     with open(log, "ab") as out:
         proc = subprocess.Popen(router_command(kind, port, engines, args), stdout=out,
-                                stderr=subprocess.STDOUT, env=router_env(kind, args))
+                                stderr=subprocess.STDOUT, env=router_env(kind, args), cwd=cwd)
     try:
         wait_http(f"http://{HOST}:{port}/health", 180)
         time.sleep(2)  # let health checks and event subscriptions settle
+        # counted from here: radixray's probes of the engines at join are not the workload's
+        before = [finished_requests(e.url) for e in engines]
         target = Target(f"http://{HOST}:{port}", args.model, stream=True)
         cpu_before = cpu_seconds(proc.pid)
         outcomes, wall = asyncio.run(run(target, requests, RunConfig(), progress=False))
