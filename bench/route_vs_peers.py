@@ -54,11 +54,13 @@ HOST = "127.0.0.1"
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
 
 
-def finished_requests(url: str) -> int:
+def engine_counts(url: str) -> tuple[int, int]:
+    """(requests finished, requests preempted) so far, from the engine's `/metrics`."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "vllm:request_success_total"))
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    return (int(sum(s.value for s in samples if s.name == "vllm:request_success_total")),
+            int(sum(s.value for s in samples if s.name == "vllm:num_preemptions_total")))
 
 
 class EventRelay:
@@ -170,7 +172,7 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
         wait_http(f"http://{HOST}:{port}/health", 180)
         time.sleep(2)  # let health checks and event subscriptions settle
         # counted from here: radixray's probes of the engines at join are not the workload's
-        before = [finished_requests(e.url) for e in engines]
+        before = [engine_counts(e.url) for e in engines]
         target = Target(f"http://{HOST}:{port}", args.model, stream=True)
         cpu_before = cpu_seconds(proc.pid)
         outcomes, wall = asyncio.run(run(target, requests, RunConfig(), progress=False))
@@ -179,8 +181,10 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
         proc.terminate()
         proc.wait(30)
     summary = summarize(outcomes, wall)
-    after = [finished_requests(e.url) for e in engines]
-    summary["requests_per_engine"] = [a - b for a, b in zip(after, before, strict=True)]
+    after = [engine_counts(e.url) for e in engines]
+    summary["requests_per_engine"] = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    # a request vLLM preempts for KV room gives its blocks up and recomputes them later
+    summary["preemptions"] = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     summary["router_cpu_s"] = round(router_cpu_s, 2)
     # each request in the order sent, to find a tail request in radixray's decision log
     summary["per_request"] = [
@@ -221,6 +225,7 @@ def medians(summaries: list[dict]) -> dict:
         "ttft": {k: med([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
         "throughput_rps": med([s["throughput_rps"] for s in summaries]),
         "router_cpu_s": med([s.get("router_cpu_s") for s in summaries]),
+        "preemptions": med([s.get("preemptions") for s in summaries]),
         # busier engine first: the split, not which engine, is the figure
         "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
     }
@@ -238,6 +243,7 @@ def seed_mean(summaries: list[dict]) -> dict:
         "ttft": {k: mean([s["ttft"][k] for s in summaries]) for k in ("mean", "p99")},
         "throughput_rps": mean([s["throughput_rps"] for s in summaries]),
         "router_cpu_s": mean([s.get("router_cpu_s") for s in summaries]),
+        "preemptions": mean([s.get("preemptions") for s in summaries]),
         "requests_per_engine": [mean(list(c)) for c in
                                 zip(*[s["requests_per_engine"] for s in summaries], strict=True)],
     }
@@ -249,7 +255,8 @@ def line(kind: str, s: dict) -> str:
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
     return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
-            f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s') or 0:.2f} s")
+            f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s') or 0:.2f} s"
+            f"  preempted {s.get('preemptions') or 0:g}")
 
 
 def main() -> None:

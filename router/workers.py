@@ -4,7 +4,7 @@ It keeps the registry's records (`router.registry`) in step with the workers: a 
 once its backend answers `ready()` and `calibrate()` (its engine shape, its speeds where the
 router must measure them, then its stats and a snapshot of its cache); KV events are pulled
 every `event_poll_s`, stats every `stats_poll_s`; a worker whose poll fails is marked dead
-(purged from routing at once) and probed every `revive_s`, re-added with a fresh snapshot
+(purged from routing at once) and tried again every `revive_s`, re-added with a fresh snapshot
 when it answers again.
 
 The cluster launcher drives it through plain methods that run on the router's event loop:
