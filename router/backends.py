@@ -215,11 +215,11 @@ class HttpBackend(Backend):
             self._session = aiohttp.ClientSession(headers=self.headers, timeout=timeout)
         return self._session
 
-    async def _json(self, method: str, path: str) -> tuple[int, Any]:
+    async def _json(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         import aiohttp
 
         try:
-            async with self._http().request(method, self.base_url + path) as resp:
+            async with self._http().request(method, self.base_url + path, json=body) as resp:
                 return resp.status, await resp.json(content_type=None)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise BackendDead(f"{self.worker_id}: {exc}") from exc
@@ -282,17 +282,10 @@ class HttpBackend(Backend):
 
     async def _probe_request(self, prompt: str, max_tokens: int) -> ProbeTiming:
         """One probe prompt, greedy, exactly `max_tokens` out, timed to its whole answer."""
-        import aiohttp
-
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0.0, "ignore_eos": True}
         start = time.monotonic()
-        try:
-            async with self._http().post(self.base_url + "/v1/completions", json=body) as resp:
-                answer = await resp.json(content_type=None)
-                status = resp.status
-        except (aiohttp.ClientError, OSError, ValueError) as exc:
-            raise BackendDead(f"{self.worker_id}: {exc}") from exc
+        status, answer = await self._json("POST", "/v1/completions", body)
         seconds = time.monotonic() - start
         usage = answer.get("usage") if isinstance(answer, dict) else None
         if status != 200 or not isinstance(usage, dict):

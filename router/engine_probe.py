@@ -86,21 +86,28 @@ async def probe_engine(
 ) -> ProbeResult:
     """The engine's prefill speed and decode step from a few timed prompts (module docstring).
     `max_context` 0: unknown."""
+    sent = 0
+
+    async def timed(prompt: str, max_tokens: int) -> ProbeTiming:
+        nonlocal sent
+        sent += 1
+        return await complete(prompt, max_tokens)
+
     warm_text = probe_text(rng, 4 * short_tokens)
-    warm = await complete(warm_text, 1)
+    warm = await timed(warm_text, 1)
     chars_per_token = len(warm_text) / max(1, warm.prompt_tokens)
     long_tokens = target_tokens if max_context <= 0 else min(target_tokens, max_context // 2)
     if long_tokens < 4 * short_tokens:
-        return ProbeResult(0.0, 0.0, 1)
+        return ProbeResult(0.0, 0.0, sent)
 
     def text(tokens: int) -> str:
         return probe_text(rng, int(tokens * chars_per_token))
 
-    first = await complete(text(short_tokens), 1)
-    long = await complete(text(long_tokens), 1)
-    again = await complete(text(short_tokens), 1)
+    first = await timed(text(short_tokens), 1)
+    long = await timed(text(long_tokens), 1)
+    again = await timed(text(short_tokens), 1)
     short = min(first, again, key=lambda t: t.seconds)
-    stepped = await complete(text(short_tokens), 1 + step_tokens)
+    stepped = await timed(text(short_tokens), 1 + step_tokens)
 
     speed = 0.0
     tokens, seconds = long.uncached - short.uncached, long.seconds - short.seconds
@@ -110,4 +117,4 @@ async def probe_engine(
     extra = stepped.completion_tokens - short.completion_tokens
     if extra > 0 and stepped.seconds > short.seconds:
         step = (stepped.seconds - short.seconds) / extra
-    return ProbeResult(speed, step, 5)
+    return ProbeResult(speed, step, sent)
