@@ -189,10 +189,10 @@ def test_engines_are_probed_at_join(router, engines):
     rows = requests.get(router.url + "/v1/workers", timeout=10).json()["data"]
     assert len(rows) == 2
     for row in rows:
-        assert row["prefill_tokens_per_s"] > 0 and row["decode_step_s"] > 0
+        assert row["prefill_tokens_per_s"] > 0 and row["decode_step_s"] > 0, rows
     for engine in engines:
         backend = router.app.state.router.registry[engine.url.removeprefix("http://")].backend
-        assert backend.speed.probed[0] > 0 and backend.speed.probed[1] > 0
+        assert backend.speed.probed[0] > 0 and backend.speed.probed[1] > 0, backend.speed.probed
     core = router.app.state.router.core
     fleet = core.estimator.fleet
     assert fleet.prefill_tokens_per_s != fleet.prior_prefill_tokens_per_s
@@ -303,12 +303,21 @@ def test_killed_vllm_is_purged_then_rejoins_empty_after_restart(router, engines)
     assert index_of(router, wid) == set()  # a new engine: nothing of the old one is left
     backend = router.app.state.router.registry[wid].backend
     assert backend.events.outcomes["restart"] >= 1
-    # and it is followed again: what it stores from now on reaches the index
+    # and it is followed again: what it stores from now on reaches the index. Its twin drains
+    # meanwhile, so that the prompt goes to it whatever the two engines' speeds measure (on
+    # the tiny model they are noise, and the cheaper-looking engine would take every prompt)
     index = engines.index(killed)
-    for seed in range(900, 910):
-        worker, _ = complete(router, prompt(seed, BLOCK + 3))
-        if worker == wid:
-            break
+    twin = next(e.url.removeprefix("http://") for e in engines if e is not killed)
+    registry = router.app.state.router.registry
+
+    async def draining(on: bool) -> None:
+        registry.set_draining(twin, on)
+
+    router.call(draining(True))
+    try:
+        worker, _ = complete(router, prompt(900, BLOCK + 3))
+    finally:
+        router.call(draining(False))
     assert worker == wid
     settle(lambda: _assert(index_of(router, wid) == router.oracle[index].expected() != set()))
 
