@@ -204,6 +204,7 @@ class HttpBackend(Backend):
         self.engine = EngineMetrics()
         self.speed = EngineSpeed()
         self.probe_tokens = probe_tokens
+        self.probed = False  # a probe was sent: once per backend, even if it measured nothing
         self.max_context = 0  # the engine's context length where `ready()` read it
         self._session: Any = None
 
@@ -257,8 +258,9 @@ class HttpBackend(Backend):
         still joins."""
         e = self.engine
         busy = self.running or (e.running or 0) or (e.waiting or 0)
-        if self.probe_tokens <= 0 or self.speed.probed != (0.0, 0.0) or busy:
+        if self.probe_tokens <= 0 or self.probed or busy:
             return
+        self.probed = True
         before = e.prefills
         try:
             result = await asyncio.wait_for(
