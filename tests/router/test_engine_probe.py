@@ -52,6 +52,9 @@ def test_the_probe_recovers_the_engines_speeds():
     # the fixed cost cancels out, and the slow first request is only the warm-up
     assert result.prefill_tokens_per_s == pytest.approx(300.0, rel=0.02)
     assert result.decode_step_s == pytest.approx(0.05, rel=0.02)
+    # rounds: short + long, then short + long + stepped; the speed settles there (two equal
+    # timings of each prompt) and the third round sends no long prompt, only short + stepped
+    assert result.requests == 1 + 2 + 3 + 2
     lengths = sorted(len(p.split()) for p in engine.prompts)
     assert 1000 <= lengths[-1] <= 1100  # the long prompt sized in the engine's tokens
     starts = {p.split()[0] for p in engine.prompts}
@@ -62,17 +65,46 @@ def test_one_slow_timing_of_the_long_prompt_is_outvoted():
     """A fast engine on a shared machine: the first long prompt waits 20 ms for the core, about
     as long as its whole prefill; the faster of the two long timings stands."""
     engine = Engine(speed=50_000.0, step_s=0.003, fixed_s=0.01)
-    plain = engine.complete
-    delays = {2: 0.02}  # warm-up, short, long (slow), short, long, ...
+    shared = _with_delays(engine, {2: 0.02})  # warm-up, short, long (slow), short, ...
+    result = asyncio.run(probe_engine(shared, random.Random(2), 1024))
+    assert result.prefill_tokens_per_s == pytest.approx(50_000.0, rel=0.02)
+    assert result.requests == 1 + 2 + 3 + 3  # the slow one unsettles the speed: a third round
 
-    async def shared(prompt: str, max_tokens: int) -> ProbeTiming:
-        timing = await plain(prompt, max_tokens)
+
+def _with_delays(engine: Engine, delays: dict[int, float]):
+    """`engine.complete` with request i (0: the warm-up) `delays[i]` seconds slower: a core
+    taken by another engine now and then."""
+
+    async def complete(prompt: str, max_tokens: int) -> ProbeTiming:
+        timing = await engine.complete(prompt, max_tokens)
         slow = delays.get(len(engine.prompts) - 1, 0.0)
         return ProbeTiming(timing.seconds + slow, timing.prompt_tokens, 0, max_tokens)
 
-    result = asyncio.run(probe_engine(shared, random.Random(2), 1024))
+    return complete
+
+
+def test_rounds_go_on_until_both_figures_are_measured():
+    """Requests: warm-up, short, long, then rounds of short, long, stepped. Here the short
+    prompts of the first two rounds are slowed by more than the long prefill and more than the
+    stepped prompt's 16 steps: two rounds measure nothing, the third measures both, and the
+    fourth settles them (the two fastest timings of each prompt agree)."""
+    engine = Engine(speed=50_000.0, step_s=0.003, fixed_s=0.01)
+    slow = {1: 0.05, 3: 0.05}  # the shorts: > 20 ms of long prefill, > 48 ms of 16 steps
+    result = asyncio.run(probe_engine(_with_delays(engine, slow), random.Random(3), 1024))
     assert result.prefill_tokens_per_s == pytest.approx(50_000.0, rel=0.02)
-    assert result.requests == 6
+    assert result.decode_step_s == pytest.approx(0.003, rel=0.02)
+    assert result.requests == 1 + 2 + 3 + 3 + 3 == len(engine.prompts)
+
+
+def test_a_probe_that_never_measures_stops_after_its_rounds():
+    """Every short prompt slower than everything else (a figure that never comes out
+    positive): the probe gives up after `max_rounds`, the speeds left to traffic."""
+    engine = Engine(speed=50_000.0, step_s=0.003, fixed_s=0.01)
+    shorts = {i: 1.0 for i in (1, 3, 6, 9, 12)}  # each round's short prompt
+    result = asyncio.run(probe_engine(_with_delays(engine, shorts), random.Random(4), 1024,
+                                      max_rounds=5))
+    assert (result.prefill_tokens_per_s, result.decode_step_s) == (0.0, 0.0)
+    assert result.requests == 1 + 2 + 3 * 4 == len(engine.prompts)
 
 
 def test_the_long_prompt_fits_the_engines_context():
@@ -203,6 +235,6 @@ def test_no_probe_or_a_failed_one_leaves_the_speeds_to_traffic(case: str, caplog
     with caplog.at_level("WARNING", logger="radixray.router"):
         stats = asyncio.run(server.serve(test))
     assert stats.prefill_tokens_per_s == 0.0 and stats.decode_step_s == 0.0
-    assert len(engine.prompts) == (6 if case == "shared" else 0)
+    assert bool(engine.prompts) == (case == "shared")
     assert ("probing engine h failed" in caplog.text) == (case == "refuses")
     assert ("2 other requests during its probe" in caplog.text) == (case == "shared")
