@@ -62,6 +62,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--vllm-args", type=shlex.split, default=None, metavar="ARGS",
                        help="with --engine vllm: more flags for vLLM's server, in one quoted "
                        "string, e.g. \"--max-model-len 4096 --enforce-eager\"")
+    model.add_argument("--probe-tokens", type=int, default=None, metavar="N",
+                       help="with --engine vllm: each worker times a few prompts of its own "
+                       "(the longest N tokens, at most half the context) on its idle engine "
+                       "for the routers' prefill speed and decode step; 0: no probe, learnt "
+                       f"from traffic (default: {d['probe_tokens'].default})")
     model.add_argument("--workers", type=int, default=None, metavar="N",
                        help="number of workers (default: one per --gpus-per-worker GPUs on a "
                        "GPU cluster, else 2 CPU workers)")

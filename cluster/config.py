@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from router.backends import PROBE_TOKENS
 from router.config import RouterConfig, cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"
@@ -54,6 +55,9 @@ class ClusterConfig:
     # more flags for vLLM's server (engine vllm), e.g. ["--max-model-len", "4096"]; a string is
     # split as a shell would
     vllm_args: list[str] = field(default_factory=list)
+    # engine vllm: the long prompt of the probe each worker runs on its engine before it joins
+    # (`cluster/vllm_worker.py`); 0: none, the routers learn the speeds from traffic
+    probe_tokens: int = PROBE_TOKENS
     workers: int | None = None  # None: one per GPU group on a GPU cluster, else 2 CPU workers
     gpus_per_worker: float = 1.0  # GPUs reserved per worker when device is cuda
     # CPUs reserved per worker (the engine loop's core); None: 1, or a share of a local Ray's
@@ -109,6 +113,8 @@ class ClusterConfig:
             if self.kv_tokens is not None or self.host_kv_tokens:
                 raise ValueError("kv_tokens and host_kv_tokens size our engine's KV cache; "
                                  "give vLLM its own flags in vllm_args (--vllm-args)")
+        if self.probe_tokens < 0:
+            raise ValueError(f"probe_tokens must be 0 or more, got {self.probe_tokens}")
         if self.workers is not None and self.workers < 0:
             raise ValueError("workers must be >= 0")
         if self.router_replicas < 1:

@@ -38,7 +38,9 @@ log = logging.getLogger("radixray.cluster")
 class Member:
     """One worker as the fleet reports it to routers: `state` is loading, ready or down (dead
     until Ray restarts it; `restarts` counts how often it came back, each time empty).
-    `endpoints`: where a vLLM worker serves (`{"url", "events", "replay"}`), None for ours."""
+    `endpoints`: where a vLLM worker serves (`{"url", "events", "replay"}`), None for ours;
+    `speeds`: its engine's probed `{"prefill_tokens_per_s", "decode_step_s"}` (0: not
+    measured), None for ours."""
 
     worker_id: str
     actor: Any
@@ -46,6 +48,7 @@ class Member:
     restarts: int
     slot: Slot
     endpoints: dict | None = None
+    speeds: dict | None = None
 
 
 class FleetActor:
@@ -88,7 +91,7 @@ class FleetActor:
     def members(self) -> tuple[int, list[Member]]:
         """(version, every worker) now."""
         return self.version, [
-            Member(w.worker_id, w.actor, w.state, w.restarts, w.slot, w.endpoints)
+            Member(w.worker_id, w.actor, w.state, w.restarts, w.slot, w.endpoints, w.speeds)
             for w in self.pool.workers.values()
         ]
 

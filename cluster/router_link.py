@@ -166,10 +166,16 @@ def build_router(config: ClusterConfig, model_dir: str, fleet: Any) -> tuple[Fas
 
 def member_backend(member: Member, api_key: str | None = None) -> Backend:
     """How a router reaches a member: through Ray (our engine), or over HTTP at its endpoints
-    with its KV events followed (vLLM; hashed at the engine's own block size)."""
+    with its KV events followed (vLLM; hashed at the engine's own block size), priced with the
+    speeds its worker probed (the router does not probe it again)."""
     if member.endpoints is None:
         return RayBackend(member.worker_id, member.actor)
-    return spec_backend(worker_spec(**member.endpoints), member.worker_id, None, api_key)
+    backend = spec_backend(worker_spec(**member.endpoints), member.worker_id, None, api_key,
+                           probe_tokens=0)
+    if member.speeds:
+        backend.speed.calibrate(float(member.speeds.get("prefill_tokens_per_s") or 0.0),
+                                float(member.speeds.get("decode_step_s") or 0.0))
+    return backend
 
 
 def member_backends(members: list[Member], api_key: str | None = None) -> list[Backend]:

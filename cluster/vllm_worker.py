@@ -12,7 +12,10 @@ prefix caching and KV events on:
 `ready()` answers once the server does, with its `endpoints`: the same `{"url", "events",
 "replay"}` that `radixray route` takes for an engine it did not start, at the node's IP, so a
 router on any node reaches them. The routers make an `HttpBackend` that follows its events
-(`cluster/route.py`, `spec_backend`).
+(`cluster/route.py`, `spec_backend`). Before its first answer the worker probes its engine's
+prefill speed and decode step (`router.engine_probe`, as `radixray route` does at join) and
+answers them too (`speeds`): one probe per engine, while it is idle, where each router replica
+probing it at join would time its prompts among the other replicas' (and then discard them).
 
 Lifetimes. vLLM's server starts processes of its own (the engine core and its workers) that
 outlive it when it is killed, so it runs under a reaper: a few lines of Python in a process
@@ -48,6 +51,7 @@ from pathlib import Path
 
 import ray
 
+from router.backends import PROBE_TOKENS, HttpBackend
 from worker.models.builtin import resolve_model
 
 log = logging.getLogger("radixray.cluster")
@@ -88,6 +92,8 @@ class VllmConfig:
     args: more flags for vLLM's server (`--vllm-args`, e.g. `--max-model-len 4096`). device:
     cuda or cpu. dtype: vLLM's `--dtype`, None for vLLM's default. cpu_threads: torch threads
     of a CPU engine (`OMP_NUM_THREADS`). api_key: the engines require it, as the routers do.
+    probe_tokens: the long prompt of the probe each worker runs on its engine before it first
+    answers `ready()` (module docstring; 0: none, the routers learn the speeds from traffic).
     """
 
     model: str
@@ -97,6 +103,7 @@ class VllmConfig:
     dtype: str | None = None
     cpu_threads: int = 1
     api_key: str | None = field(default=None, repr=False)
+    probe_tokens: int = PROBE_TOKENS  # the probe's long prompt (0: no probe)
 
     def command(self, model_dir: str, host: str, ports: VllmPorts) -> list[str]:
         """The server's command line."""
@@ -200,25 +207,33 @@ class VllmWorker:
         self.failure: str | None = None
         self.started = time.monotonic()
         self._server: Reaped | None = None
+        self._speeds: asyncio.Task | None = None  # the probe of this engine, run once
         self._thread = threading.Thread(target=self._supervise, name="vllm", daemon=True)
         self._thread.start()
 
     async def ready(self) -> dict:
-        """Once the server answers: its endpoints (and `model`, `pid`, `log`). Answers at once
-        after that, so it doubles as a liveness ping. Raises when the server failed to start."""
+        """Once the server answers and its probe is done: its endpoints, its probed `speeds`
+        (and `model`, `log`). Answers at once after that, so it doubles as a liveness ping.
+        Raises when the server failed to start."""
         while not self.serving.is_set():
             if self.failure is not None:
                 raise RuntimeError(f"{self.worker_id}: vLLM failed to start: {self.failure}")
             await asyncio.sleep(HEALTH_POLL_S)
         ports = self.ports
+        url = f"http://{self.host}:{ports.http}"
+        if self._speeds is None:
+            self._speeds = asyncio.get_running_loop().create_task(probe_speeds(
+                self.worker_id, url, self.config.api_key, self.config.probe_tokens))
+        prefill, step = await asyncio.shield(self._speeds)  # a ping that times out: not lost
         return {
             "worker_id": self.worker_id,
             "model": self.config.model,
             "endpoints": {
-                "url": f"http://{self.host}:{ports.http}",
+                "url": url,
                 "events": f"tcp://{self.host}:{ports.events}",
                 "replay": f"tcp://{self.host}:{ports.replay}",
             },
+            "speeds": {"prefill_tokens_per_s": prefill, "decode_step_s": step},
             "log": str(self.log_path),
         }
 
@@ -268,6 +283,25 @@ class VllmWorker:
             return self.log_path.read_text(errors="replace")[-size:]
         except OSError:
             return ""
+
+
+async def probe_speeds(worker_id: str, url: str, api_key: str | None,
+                       probe_tokens: int) -> tuple[float, float]:
+    """The engine at `url`: its probed (prefill tokens/s, decode step), as a router probes an
+    engine at join (`HttpBackend.calibrate`); 0: not measured (the probe failed, and the log
+    says why, or `probe_tokens` is 0)."""
+    if probe_tokens <= 0:
+        return 0.0, 0.0
+    backend = HttpBackend(worker_id, url, api_key=api_key, probe_tokens=probe_tokens)
+    try:
+        await backend.ready()
+        await backend.calibrate()
+    except Exception as exc:  # noqa: BLE001 - a probe never keeps the worker out
+        log.warning("%s: probing vLLM failed, its speeds are learnt from traffic: %r",
+                    worker_id, exc)
+    finally:
+        await backend.close()
+    return backend.speed.probed
 
 
 RemoteVllmWorker = ray.remote(VllmWorker)

@@ -48,6 +48,14 @@ class Worker:
     # where an engine reached over HTTP serves ({"url", "events", "replay"}, from its
     # `ready()`; a vLLM worker's change when Ray restarts it); None for our own engine
     endpoints: dict | None = None
+    # its engine's probed speeds ({"prefill_tokens_per_s", "decode_step_s"}, from the same
+    # `ready()`); None for our own engine, which reports its own timings
+    speeds: dict | None = None
+
+    def served(self, info: dict) -> None:
+        """What the worker's `ready()` answered about where and how fast it serves."""
+        self.endpoints = info.get("endpoints")
+        self.speeds = info.get("speeds")
 
 
 def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConfig:
@@ -62,6 +70,7 @@ def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConf
             dtype=config.dtype,
             cpu_threads=max(1, int(cpus)),
             api_key=config.api_key,
+            probe_tokens=config.probe_tokens,
         )
     return EngineConfig(
         model=config.model,
@@ -174,7 +183,7 @@ class WorkerPool:
                                               self.config.ready_timeout_s)
             except Exception as exc:
                 raise RuntimeError(f"{worker.worker_id} failed to load its model: {exc}") from exc
-            worker.endpoints = info.get("endpoints")
+            worker.served(info)
             worker.state = "ready"
             worker.started = time.monotonic()
             self.on_change()
@@ -203,10 +212,10 @@ class WorkerPool:
             worker.restarts += 1
             worker.state = "ready"
             worker.started = time.monotonic()
-            worker.endpoints = info.get("endpoints")
+            worker.served(info)
             self.on_change()
         elif info.get("endpoints") != worker.endpoints:  # restarted between two pings
             worker.restarts += 1
-            worker.endpoints = info.get("endpoints")
+            worker.served(info)
             self.on_change()
 

@@ -18,8 +18,11 @@ import pytest
 
 from cluster.cli import build_parser
 from cluster.config import VLLM_PYTHON_ENV, ClusterConfig
+from cluster.fleet import Member
+from cluster.router_link import member_backend
 from cluster.vllm_worker import Reaped, VllmConfig, VllmPorts
-from cluster.worker_pool import engine_config
+from cluster.worker_pool import Worker, engine_config
+from router.backends import PROBE_TOKENS, HttpBackend
 
 REPO = Path(__file__).parents[2]
 
@@ -63,16 +66,38 @@ def test_engine_flags_make_a_vllm_config(monkeypatch):
     args = build_parser().parse_args(
         ["serve", "--engine", "vllm", "--model", "/models/m", "--dtype", "bfloat16",
          "--cpus-per-worker", "4", "--api-key", "k",
-         "--vllm-args", "--max-model-len 4096 --enforce-eager"])
+         "--vllm-args", "--max-model-len 4096 --enforce-eager", "--probe-tokens", "256"])
     config = ClusterConfig.from_args(args)
     vllm = engine_config(config, "cpu")
     assert vllm == VllmConfig(model="/models/m", python="/opt/vllm/bin/python",
                               args=("--max-model-len", "4096", "--enforce-eager"), device="cpu",
-                              dtype="bfloat16", cpu_threads=4, api_key="k")
+                              dtype="bfloat16", cpu_threads=4, api_key="k", probe_tokens=256)
+    assert engine_config(ClusterConfig(engine="vllm"), "cpu").probe_tokens == PROBE_TOKENS
+    with pytest.raises(ValueError, match="probe_tokens"):
+        ClusterConfig(engine="vllm", probe_tokens=-1)
     assert ClusterConfig.from_dict({"engine": "vllm", "vllm_python": "/p",
                                     "vllm_args": "--enforce-eager"}).vllm_args == [
         "--enforce-eager"]
     assert ClusterConfig().engine == "radixray"  # the default engine is ours
+
+
+def test_routers_price_a_vllm_member_with_its_workers_probe():
+    """A vLLM worker probes its engine once (`VllmWorker.ready` answers `speeds`); each router
+    replica takes those figures and sends no probe of its own."""
+    endpoints = {"url": "http://10.0.0.7:8001", "events": "tcp://10.0.0.7:8002",
+                 "replay": "tcp://10.0.0.7:8003"}
+    worker = Worker("worker-0", actor=None, slot=None)
+    worker.served({"endpoints": endpoints,
+                   "speeds": {"prefill_tokens_per_s": 310.0, "decode_step_s": 0.03}})
+    member = Member("worker-0", None, "ready", 0, None, worker.endpoints, worker.speeds)
+    backend = member_backend(member)
+    assert isinstance(backend, HttpBackend) and backend.base_url == endpoints["url"]
+    assert backend.probe_tokens == 0  # no probe from the router
+    assert backend.speed.probed == (310.0, 0.03)
+    assert backend.speed.prefill_tokens_per_s == 310.0  # what it reports until timings come
+    unmeasured = member_backend(Member("worker-1", None, "ready", 0, None, endpoints, {
+        "prefill_tokens_per_s": 0.0, "decode_step_s": 0.0}))
+    assert unmeasured.probe_tokens == 0 and unmeasured.speed.probed == (0.0, 0.0)
 
 
 def test_our_engines_kv_knobs_are_refused_for_vllm():

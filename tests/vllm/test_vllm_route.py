@@ -200,6 +200,16 @@ def test_engines_are_probed_at_join(router, engines):
         r["prefill_tokens_per_s"] for r in rows)
 
 
+def test_a_vllm_worker_probes_its_own_engine(router, engines):
+    """`radixray serve --engine vllm` probes each engine once, from its worker
+    (`cluster.vllm_worker.probe_speeds`), where each router replica would probe it at join."""
+    from cluster.vllm_worker import probe_speeds
+
+    prefill, step = asyncio.run(probe_speeds("w", engines[1].url, None, 1024))
+    assert prefill > 0 and step > 0, (prefill, step)
+    assert asyncio.run(probe_speeds("w", engines[1].url, None, 0)) == (0.0, 0.0)
+
+
 def _assert(ok: bool) -> None:
     assert ok
 
