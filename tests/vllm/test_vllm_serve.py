@@ -39,6 +39,11 @@ pytestmark = pytest.mark.timeout(1500)
 WORDS = list(range(70, 94))  # token ids of plain letters in the tiny tokenizer
 MARK = "RADIXRAY_TEST_VLLM_SERVE"  # in the environment of every process the cluster starts
 VLLM_ARGS = "--enforce-eager --max-model-len 1024 --num-gpu-blocks-override 24 --max-num-seqs 8"
+# No probe of the engines' speeds (tests/vllm/test_vllm_route.py probes a real vLLM): on the
+# tiny model the prefill of its longest probe prompt is ~8 ms, and the probes of two equal
+# engines can read up to 4x apart; `cost` then sends new prompts to the one read faster
+# while both are idle, where these tests need new prompts on each worker.
+PROBE_TOKENS = 0
 
 
 def prompt(seed: int, length: int) -> list[int]:
@@ -138,7 +143,7 @@ def cluster(tmp_path_factory):
     env.pop("RADIXRAY_API_KEY", None)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--engine", "vllm", "--model",
            str(model), "--workers", "2", "--routers", "2", "--num-cpus", "2", "--port", str(port),
-           f"--vllm-args={VLLM_ARGS}"]
+           f"--vllm-args={VLLM_ARGS}", "--probe-tokens", str(PROBE_TOKENS)]
     log = root / "serve.log"
     t0 = time.monotonic()
     with open(log, "wb") as out:
@@ -148,9 +153,14 @@ def cluster(tmp_path_factory):
     state = SimpleNamespace(url=url, model=str(model), mark=str(root), proc=proc, log=log)
     try:
         def up() -> bool:
-            assert proc.poll() is None, log.read_text()[-5000:]
-            return requests.get(url + "/health", timeout=2).status_code == 200
-        wait_for(up, 900, "radixray serve --engine vllm to answer")
+            # the command's own word that it is ready: every replica has joined every worker
+            # (a replica answers /health as soon as one worker has joined; another may still
+            # be probing)
+            text = log.read_text(errors="replace")
+            assert proc.poll() is None, text[-5000:]
+            return "radixray: ready in" in text and requests.get(
+                url + "/health", timeout=2).status_code == 200
+        wait_for(up, 900, "radixray serve --engine vllm to say it is ready")
         print(f"\nradixray serve --engine vllm: 2 vLLM workers serve after "
               f"{time.monotonic() - t0:.1f}s")
         ports = sorted(replica_ports(port).values())
@@ -182,6 +192,12 @@ def test_serve_engine_vllm_answers_through_openai(cluster):
     assert {r["max_context"] for r in rows.values()} == {1024}  # vLLM's, read not assumed
     wait_for(lambda: {r["kv_total"] for r in workers(cluster.url).values()} == {24 * BLOCK},
              30, "the engines' KV capacity from their /metrics")
+    # no replica probed an engine (`--probe-tokens 0` reached the workers, and the replicas
+    # leave probing to them): before any request, no speed is measured
+    for url in (cluster.url, cluster.other_url):
+        speeds = {w: (r["prefill_tokens_per_s"], r["decode_step_s"])
+                  for w, r in workers(url).items()}
+        assert set(speeds.values()) == {(0.0, 0.0)}, speeds
 
     chat = cluster.client.chat.completions.create(
         model=cluster.model, max_tokens=8, temperature=0,
@@ -214,11 +230,34 @@ def completion(client: openai.OpenAI, model: str, ids: list[int]) -> tuple[str, 
     return raw.headers["x-radixray-worker"], raw.parse().usage.prompt_tokens_details.cached_tokens
 
 
+def burst(client: openai.OpenAI, model: str, seeds: list[int]) -> list[tuple[str, int]]:
+    """`completion` of a 3-block prompt per seed, all sent at once. Sent one by one, new prompts
+    can all go to one idle engine (on the tiny model the probed speeds of two equal engines can
+    differ twofold, noise on a ~8 ms difference, and `cost` takes the faster); at once, the
+    load spreads them."""
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        return list(pool.map(lambda seed: completion(client, model, prompt(seed, 2 * BLOCK + 5)),
+                             seeds))
+
+
+def landing_on(url: str, client: openai.OpenAI, model: str, worker: str,
+               first_seed: int) -> list[int]:
+    """A new prompt the router at `url` (`client`) sent to `worker` (and that it now caches):
+    bursts of 8 until one lands there."""
+    for start in range(first_seed, first_seed + 40, 8):
+        seeds = list(range(start, start + 8))
+        for seed, (served, _) in zip(seeds, burst(client, model, seeds), strict=True):
+            if served == worker:
+                return prompt(seed, 2 * BLOCK + 5)
+    speeds = {w: (r["prefill_tokens_per_s"], r["decode_step_s"]) for w, r in workers(url).items()}
+    pytest.fail(f"nothing was routed to {worker}; speeds {speeds}")
+
+
 def test_each_replica_follows_the_engines_own_events(cluster):
     # prompts routed through one replica only, sent together so that the load spreads them
-    probes = [prompt(seed, 2 * BLOCK + 5) for seed in range(100, 104)]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        first = list(pool.map(lambda ids: completion(cluster.client, cluster.model, ids), probes))
+    seeds = list(range(100, 108))
+    probes = [prompt(seed, 2 * BLOCK + 5) for seed in seeds]
+    first = burst(cluster.client, cluster.model, seeds)
     holders = [w for w, _ in first]
     assert len(set(holders)) == 2, holders  # else a replica that knew nothing could match
     time.sleep(1.0)  # their blocks' events reach both replicas' indexes
@@ -238,7 +277,7 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
             model=cluster.model, prompt=ids, max_tokens=2, temperature=0)
         return raw.headers["x-radixray-worker"]
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(cached)) as pool:
         where = list(pool.map(send, cached))
     time.sleep(1.0)
 
@@ -293,12 +332,7 @@ def test_killed_vllm_fails_over_then_its_worker_restarts_empty(cluster):
             counter(url, "radixray_cached_tokens_actual_total") - actual)
 
     # and it serves again, its new events followed: a repeat sent to it is a hit
-    for seed in range(400, 420):
-        probe = prompt(seed, 2 * BLOCK + 5)
-        if send(probe) == killed:
-            break
-    else:
-        pytest.fail(f"nothing was routed to the restarted {killed}")
+    probe = landing_on(url, client, cluster.model, killed, 400)
     time.sleep(1.0)
     raw = client.completions.with_raw_response.create(
         model=cluster.model, prompt=probe, max_tokens=2, temperature=0)
@@ -327,13 +361,7 @@ def test_a_vllm_worker_added_live_serves_and_every_replica_follows_it(cluster):
              f"the other replica to attach {new}")
     assert workers(url)[new]["max_context"] == 1024  # read from the new vLLM
 
-    for seed in range(600, 620):  # the idle new worker takes new prompts
-        probe = prompt(seed, 2 * BLOCK + 5)
-        served, _ = completion(cluster.client, model, probe)
-        if served == new:
-            break
-    else:
-        pytest.fail(f"nothing was routed to the added {new}")
+    probe = landing_on(url, cluster.client, model, new, 600)  # the new worker takes new prompts
     time.sleep(1.0)
     # its events reached the replica that did not route the prompt
     assert completion(cluster.other_client, model, probe) == (new, 2 * BLOCK)
