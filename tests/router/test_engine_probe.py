@@ -52,9 +52,8 @@ def test_the_probe_recovers_the_engines_speeds():
     # the fixed cost cancels out, and the slow first request is only the warm-up
     assert result.prefill_tokens_per_s == pytest.approx(300.0, rel=0.02)
     assert result.decode_step_s == pytest.approx(0.05, rel=0.02)
-    # rounds: short + long, then short + long + stepped; the speed settles there (two equal
-    # timings of each prompt) and the third round sends no long prompt, only short + stepped
-    assert result.requests == 1 + 2 + 3 + 2
+    # warm-up, short + long, then short + long + stepped: both figures measured, no more rounds
+    assert result.requests == 1 + 2 + 3
     lengths = sorted(len(p.split()) for p in engine.prompts)
     assert 1000 <= lengths[-1] <= 1100  # the long prompt sized in the engine's tokens
     starts = {p.split()[0] for p in engine.prompts}
@@ -68,7 +67,7 @@ def test_one_slow_timing_of_the_long_prompt_is_outvoted():
     shared = _with_delays(engine, {2: 0.02})  # warm-up, short, long (slow), short, ...
     result = asyncio.run(probe_engine(shared, random.Random(2), 1024))
     assert result.prefill_tokens_per_s == pytest.approx(50_000.0, rel=0.02)
-    assert result.requests == 1 + 2 + 3 + 3  # the slow one unsettles the speed: a third round
+    assert result.requests == 1 + 2 + 3
 
 
 def _with_delays(engine: Engine, delays: dict[int, float]):
@@ -86,14 +85,13 @@ def _with_delays(engine: Engine, delays: dict[int, float]):
 def test_rounds_go_on_until_both_figures_are_measured():
     """Requests: warm-up, short, long, then rounds of short, long, stepped. Here the short
     prompts of the first two rounds are slowed by more than the long prefill and more than the
-    stepped prompt's 16 steps: two rounds measure nothing, the third measures both, and the
-    fourth settles them (the two fastest timings of each prompt agree)."""
+    stepped prompt's 16 steps: two rounds measure nothing, a third measures both."""
     engine = Engine(speed=50_000.0, step_s=0.003, fixed_s=0.01)
     slow = {1: 0.05, 3: 0.05}  # the shorts: > 20 ms of long prefill, > 48 ms of 16 steps
     result = asyncio.run(probe_engine(_with_delays(engine, slow), random.Random(3), 1024))
     assert result.prefill_tokens_per_s == pytest.approx(50_000.0, rel=0.02)
     assert result.decode_step_s == pytest.approx(0.003, rel=0.02)
-    assert result.requests == 1 + 2 + 3 + 3 + 3 == len(engine.prompts)
+    assert result.requests == 1 + 2 + 3 + 3 == len(engine.prompts)
 
 
 def test_a_probe_that_never_measures_stops_after_its_rounds():
