@@ -114,6 +114,11 @@ def workers(url: str) -> dict[str, dict]:
     return {r["id"]: r for r in requests.get(url + "/v1/workers", timeout=10).json()["data"]}
 
 
+def speeds(url: str) -> dict[str, tuple[float, float]]:
+    """Each worker's (prefill tokens/s, decode step s) as the router at `url` prices it."""
+    return {w: (r["prefill_tokens_per_s"], r["decode_step_s"]) for w, r in workers(url).items()}
+
+
 def wait_for(check, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -195,9 +200,7 @@ def test_serve_engine_vllm_answers_through_openai(cluster):
     # no replica probed an engine (`--probe-tokens 0` reached the workers, and the replicas
     # leave probing to them): before any request, no speed is measured
     for url in (cluster.url, cluster.other_url):
-        speeds = {w: (r["prefill_tokens_per_s"], r["decode_step_s"])
-                  for w, r in workers(url).items()}
-        assert set(speeds.values()) == {(0.0, 0.0)}, speeds
+        assert set(speeds(url).values()) == {(0.0, 0.0)}, speeds(url)
 
     chat = cluster.client.chat.completions.create(
         model=cluster.model, max_tokens=8, temperature=0,
@@ -232,9 +235,9 @@ def completion(client: openai.OpenAI, model: str, ids: list[int]) -> tuple[str, 
 
 def burst(client: openai.OpenAI, model: str, seeds: list[int]) -> list[tuple[str, int]]:
     """`completion` of a 3-block prompt per seed, all sent at once. Sent one by one, new prompts
-    can all go to one idle engine (on the tiny model the probed speeds of two equal engines can
-    differ twofold, noise on a ~8 ms difference, and `cost` takes the faster); at once, the
-    load spreads them."""
+    can all go to one idle engine: the speeds the routers read from the engines' own timings are
+    noise on the tiny model (milliseconds per prompt), two equal engines can look twofold apart,
+    and `cost` takes the one that looks faster. At once, the load spreads them."""
     with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
         return list(pool.map(lambda seed: completion(client, model, prompt(seed, 2 * BLOCK + 5)),
                              seeds))
@@ -249,8 +252,7 @@ def landing_on(url: str, client: openai.OpenAI, model: str, worker: str,
         for seed, (served, _) in zip(seeds, burst(client, model, seeds), strict=True):
             if served == worker:
                 return prompt(seed, 2 * BLOCK + 5)
-    speeds = {w: (r["prefill_tokens_per_s"], r["decode_step_s"]) for w, r in workers(url).items()}
-    pytest.fail(f"nothing was routed to {worker}; speeds {speeds}")
+    pytest.fail(f"nothing was routed to {worker}; speeds {speeds(url)}")
 
 
 def test_each_replica_follows_the_engines_own_events(cluster):
