@@ -83,7 +83,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        choices=("auto", "float32", "bfloat16", "float16"),
                        help="weights and KV precision (default: the checkpoint's); auto: a "
                        "float32 checkpoint in bfloat16 where the CPU or GPU computes bf16 "
-                       "natively, as vLLM does")
+                       "natively. With --engine vllm, unset or auto: vLLM's own choice, but "
+                       "float32 on a CPU without bf16 units")
     model.add_argument("--attention", default=d["attention"].default, metavar="NAME",
                        help="attention backend: auto (triton on a GPU, else native), native, "
                        "torch (reference), triton, flashinfer (default: %(default)s)")

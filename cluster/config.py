@@ -65,9 +65,10 @@ class ClusterConfig:
     cpus_per_worker: float | None = None
     device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
     # None: the checkpoint's. "auto": the checkpoint's, but a float32 one served in bfloat16 where
-    # the device computes bf16 natively (vLLM's rule: `worker.models.loader.auto_dtype`; faster,
-    # but greedy text may then differ between a cache hit and a recompute). Or float32, bfloat16,
-    # float16.
+    # the device computes bf16 natively (`worker.models.loader.auto_dtype`; faster, but greedy
+    # text may then differ between a cache hit and a recompute). Or float32, bfloat16, float16.
+    # With engine "vllm", None and "auto" are vLLM's own choice but float32 on a CPU without
+    # bf16 units (`VllmConfig`).
     dtype: str | None = None
     # attention backend of the engine (worker.attention); "auto": triton on CUDA, else native
     attention: str = "auto"

@@ -53,6 +53,7 @@ import ray
 
 from router.backends import PROBE_TOKENS, HttpBackend
 from worker.models.builtin import resolve_model
+from worker.models.loader import cpu_has_bf16
 
 log = logging.getLogger("radixray.cluster")
 
@@ -90,7 +91,9 @@ class VllmConfig:
     model: a model name, .gguf file or HF directory (`worker.models.builtin.resolve_model`; it
     must exist on every node). python: the interpreter of an environment with vLLM installed.
     args: more flags for vLLM's server (`--vllm-args`, e.g. `--max-model-len 4096`). device:
-    cuda or cpu. dtype: vLLM's `--dtype`, None for vLLM's default. cpu_threads: torch threads
+    cuda or cpu. dtype: vLLM's `--dtype`; None or "auto": vLLM's own choice, except on a CPU
+    without bf16 units (`cpu_has_bf16`), where float32 (vLLM takes bfloat16 on any x86 CPU, and
+    emulates it ~4x slower there: `worker.models.loader.auto_dtype`). cpu_threads: torch threads
     of a CPU engine (`OMP_NUM_THREADS`). api_key: the engines require it, as the routers do.
     probe_tokens: the long prompt of the probe each worker runs on its engine before it first
     answers `ready()` (module docstring; 0: none, the routers learn the speeds from traffic).
@@ -115,9 +118,16 @@ class VllmConfig:
                "--host", host, "--port", str(ports.http), "--enable-prefix-caching",
                "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
                "--disable-uvicorn-access-log"]
-        if self.dtype is not None:
-            cmd += ["--dtype", self.dtype]
+        dtype = self.engine_dtype()
+        if dtype is not None:
+            cmd += ["--dtype", dtype]
         return cmd + list(self.args)
+
+    def engine_dtype(self) -> str | None:
+        """The `--dtype` this node's engine gets (see the class docstring); None: none."""
+        if self.dtype in (None, "auto") and self.device == "cpu" and not cpu_has_bf16():
+            return "float32"
+        return self.dtype
 
     def environment(self, worker_id: str) -> dict[str, str]:
         """The server's environment: this process's (CUDA_VISIBLE_DEVICES as Ray set it), plus

@@ -127,6 +127,23 @@ def test_vllm_command_turns_on_prefix_caching_and_kv_events():
     assert env["OMP_NUM_THREADS"] == "1"
 
 
+@pytest.mark.parametrize("bf16_units", [False, True])
+def test_vllm_runs_float32_on_a_cpu_that_would_emulate_bfloat16(monkeypatch, bf16_units):
+    # the CPU's flags stand in for the two kinds of machine (this one has one of them)
+    monkeypatch.setattr("cluster.vllm_worker.cpu_has_bf16", lambda: bf16_units)
+    unasked = None if bf16_units else "float32"  # vLLM's own choice is bfloat16 on any x86
+
+    def dtype_flag(**kwargs) -> str | None:
+        cmd = VllmConfig(model="m", python="/p", **kwargs).command("/m", "h", VllmPorts(1, 2, 3))
+        return cmd[cmd.index("--dtype") + 1] if "--dtype" in cmd else None
+
+    assert dtype_flag() == unasked
+    assert dtype_flag(dtype="auto") == (unasked or "auto")
+    assert dtype_flag(dtype="bfloat16") == "bfloat16"  # asked for: given as asked
+    assert dtype_flag(device="cuda") is None  # a GPU: vLLM's own choice
+    assert dtype_flag(device="cuda", dtype="auto") == "auto"
+
+
 def test_a_killed_server_takes_its_children_along(tmp_path):
     server = started(tmp_path)
     members = group(server.group)

@@ -27,6 +27,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def cpu_dtype() -> str:
+    """The dtype to run a vLLM-CPU engine in on this machine: bfloat16 where the CPU computes it
+    natively, else float32 (vLLM's own choice, bfloat16 on any x86 CPU, is emulated there and
+    ~4x slower; `worker.models.loader.auto_dtype`)."""
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    from worker.models.loader import cpu_has_bf16
+
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
 def vllm_model_dir(root: Path) -> Path:
     """The built-in tiny model with 32-wide attention heads, written under `root`."""
     sys.path.insert(0, str(Path(__file__).parents[2]))
@@ -45,8 +55,9 @@ class VllmServer:
     """One vLLM OpenAI server in its own process group; `start`, `wait`, `kill`."""
 
     def __init__(self, python: str, model: Path, log: Path, kv_blocks: int = 12,
-                 max_model_len: int = 1024) -> None:
+                 max_model_len: int = 1024, dtype: str | None = None) -> None:
         self.python = python
+        self.dtype = dtype  # None: vLLM's own choice (bfloat16 for a float32 checkpoint on x86)
         self.model = model
         self.log = log
         self.kv_blocks = kv_blocks
@@ -77,6 +88,8 @@ class VllmServer:
                "--num-gpu-blocks-override", str(self.kv_blocks), "--max-num-seqs", "8",
                "--enable-prefix-caching", "--enable-prompt-tokens-details",
                "--kv-events-config", json.dumps(kv_events)]
+        if self.dtype is not None:
+            cmd += ["--dtype", self.dtype]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    OMP_NUM_THREADS="1", VLLM_LOGGING_LEVEL="WARNING")
         with open(self.log, "ab") as log:

