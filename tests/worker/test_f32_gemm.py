@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import worker.models.f32_gemm as f32_gemm
 from tests.worker.kernel_kit import build_without
 
-KERNEL = f32_gemm.load()
+KERNEL = f32_gemm.build()  # as built, whether or not `load` takes it on this core
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="no C compiler here")
 
 
@@ -69,3 +69,24 @@ def test_f32_linear_keeps_the_batch_shape():
     out = KERNEL(x, f32_gemm.pack(w), None, 70)
     assert out.shape == (2, 3, 70)
     assert torch.equal(out[1, 2], KERNEL(x[1, 2:3], f32_gemm.pack(w), None, 70)[0])
+
+
+@pytest.mark.parametrize("rows", [0, 8])
+def test_linears_take_the_kernel_only_up_to_the_rows_it_wins_at(monkeypatch, rows):
+    # the timing stands in for a core where the kernel beats oneDNN up to 8 rows, or nowhere
+    monkeypatch.setattr(f32_gemm, "calibrate", lambda kernel: rows)
+    f32_gemm.load.cache_clear()
+    try:
+        kernel = f32_gemm.load()
+        assert (kernel is None) if rows == 0 else (kernel.max_rows == rows)
+        assert KERNEL.max_rows == f32_gemm.MAX_ROWS  # the build itself is left as it was
+    finally:
+        f32_gemm.load.cache_clear()
+
+
+def test_calibration_times_each_row_count_until_the_kernel_loses(monkeypatch):
+    # (ours, oneDNN's) seconds at 1, 2 and 4 rows: the kernel loses from 4 rows on
+    times = iter([1.0, 2.0, 1.0, 2.0, 3.0, 2.0])
+    monkeypatch.setattr(f32_gemm, "median_seconds", lambda fn, repeat: next(times))
+    assert f32_gemm.calibrate(KERNEL) == 2
+    assert next(times, None) is None  # nothing timed past the first loss

@@ -21,11 +21,17 @@ from worker.models.packed import can_pack, linear, pack_linears, packed_of
 from worker.offline import Completion, run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.skipif(
+# oneDNN's bf16 linear needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only core has none
+needs_bf16 = pytest.mark.skipif(
     not can_pack(torch.empty(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 linear here"
 )
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.empty(1, dtype=torch.float32)), reason="no oneDNN linear here"
+)
+BF16 = pytest.param(torch.bfloat16, marks=needs_bf16)
 
 
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_gives_f_linear_bits(rows, bias):
@@ -44,6 +50,7 @@ def test_packed_linear_gives_f_linear_bits(rows, bias):
         assert torch.equal(out, ref)
 
 
+@needs_bf16
 def test_only_the_live_weight_itself_finds_its_packed_copy():
     layer = nn.Linear(64, 48, bias=False, dtype=torch.bfloat16)
     pack_linears(layer)
@@ -69,7 +76,7 @@ def test_float32_weights_are_packed_too():
         torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 def test_linear_takes_the_few_rows_kernel_for_few_rows_on_one_thread(monkeypatch, dtype):
     module = packed.FEW_ROWS[dtype]
     kernel = module.load()
@@ -100,15 +107,19 @@ def test_linear_takes_the_few_rows_kernel_for_few_rows_on_one_thread(monkeypatch
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_engine_greedy_output_with_the_few_rows_kernel_is_onednns(monkeypatch, page_size, dtype):
     """The same tiny model decoding with and without its dtype's few-rows kernel (one thread,
     this folder's conftest): the same tokens, mixed prefill and decode batches included."""
     module = packed.FEW_ROWS[getattr(torch, dtype)]
-    kernel = module.load()
+    # float32: the kernel as built, on every few-row linear, where `load` would leave it too
+    kernel = f32_gemm.build() if module is f32_gemm else module.load()
     if kernel is None:
         pytest.skip(f"{module.__name__} cannot run here")
+    if module is f32_gemm:
+        monkeypatch.setattr(kernel, "max_rows", f32_gemm.MAX_ROWS)
+        monkeypatch.setattr(f32_gemm, "load", lambda: kernel)
     prompts = mixed_prompts(11)
     config = {"model": "tiny", "dtype": dtype, "kv_tokens": 8192, "page_size": page_size}
     with_kernel = greedy_tokens(prompts, **config)
@@ -116,6 +127,7 @@ def test_engine_greedy_output_with_the_few_rows_kernel_is_onednns(monkeypatch, p
     assert greedy_tokens(prompts, **config) == with_kernel
 
 
+@needs_bf16
 @pytest.mark.parametrize("variant", ["dpbf16", "fma"])
 def test_engine_greedy_output_with_either_bf16_kernel_on_every_linear_is_onednns(
     monkeypatch, variant
@@ -134,7 +146,7 @@ def test_engine_greedy_output_with_either_bf16_kernel_on_every_linear_is_onednns
     assert greedy_tokens(prompts, **config) == onednn
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])
 def test_engine_greedy_output_is_the_same_with_packed_weights(dtype):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 40, 17)]
@@ -160,6 +172,7 @@ def engine_greedy(prompts: list[list[int]], **config) -> tuple[Engine, list[Comp
 TIE = 0.1  # logprob: a few bf16 roundings apart (bf16 steps of a logit near 4 are 0.03)
 
 
+@needs_bf16
 def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
     """Under torch.compile the linears are the `radixray::packed_linear` op on the dense
     weights, finding the packed ones as they run; the rest of the layer is fused around them,
@@ -183,6 +196,7 @@ def test_compiled_layers_with_packed_weights_give_the_eager_output(monkeypatch):
             assert abs(e.logprobs[i] - c.logprobs[i]) <= TIE
 
 
+@needs_bf16
 def test_a_failed_compile_falls_back_to_eager_packed_linears(monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")

@@ -19,14 +19,18 @@ differ from its in the last bits.
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import FewRowsLinear, output_groups
+from worker.models.few_rows import FewRowsLinear, median_seconds, output_groups
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # up to this many rows a linear takes this kernel; more go to oneDNN
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, MAX_ROWS)  # the row counts `calibrate` times
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
 
 SOURCE = r"""
@@ -107,7 +111,54 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 @cache
-def load() -> F32Gemm | None:
-    """The kernel, built on first use; None where it cannot be built (no C compiler)."""
+def build() -> F32Gemm | None:
+    """The kernel as built here, taking up to `MAX_ROWS` rows; None where it cannot be built (no
+    C compiler). `load` decides whether, and up to how many rows, linears take it."""
     library = c_library.build("f32_linear", SOURCE)
     return F32Gemm(library.f32_linear, MAX_ROWS) if library is not None else None
+
+
+@cache
+def load() -> F32Gemm | None:
+    """The kernel where it beats oneDNN's packed linear on this core, its `max_rows` the most
+    rows it does (`calibrate`); None where it does not at one row, or cannot be built."""
+    kernel = build()
+    if kernel is None:
+        return None
+    rows = calibrate(kernel)
+    if rows == 0:
+        logger.info("float32 linears: oneDNN (the C kernel is slower on this core)")
+        return None
+    logger.info("float32 linears: C kernel up to %d rows", rows)
+    return F32Gemm(kernel._fn, rows)
+
+
+def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
+    """The most rows (of `CALIBRATION_ROWS`, in order, up to the first it loses) at which
+    `kernel` takes less median time than oneDNN's packed linear over a layer-sized float32
+    linear; 0 if it loses at one row.
+
+    Built for AVX-512 (blocks of 6 rows) on a Zen 4 core it ran SmolLM2's layers 1.6-2.1x as
+    fast as oneDNN at 1-2 rows and 1.04-1.2x at 32 (docs/engine.md); built for AVX2 on an AMD
+    EPYC without AVX-512, 0.53-0.70x at one row and 0.06-0.15x at 8-32 (`bench/bench_linears.py
+    --dtype float32`), so there the engine leaves it. Timed on one thread, as it runs."""
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(1536, 576, generator=gen)
+    w = pack(dense)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    best = 0
+    try:
+        for rows in CALIBRATION_ROWS:
+            x = torch.randn(rows, 576, generator=gen)
+            ours = median_seconds(lambda x=x: kernel(x, w, None, 1536), repeat)
+            theirs = median_seconds(
+                lambda x=x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
+                repeat)
+            if ours >= theirs:
+                break
+            best = rows
+    finally:
+        torch.set_num_threads(threads)
+    return best

@@ -9,6 +9,8 @@ groups, the last padded with zero outputs), `bias` [o] or NULL.
 from __future__ import annotations
 
 import ctypes
+import statistics
+import time
 
 import torch
 
@@ -47,3 +49,14 @@ def output_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
     if padded != o:
         w = torch.cat([w, w.new_zeros(padded - o, k)])
     return w.view(padded // group, group, k)
+
+
+def median_seconds(fn, repeat: int) -> float:
+    """Median wall seconds of `repeat` calls of `fn`, after one to warm up."""
+    fn()  # warm
+    runs = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)

@@ -29,6 +29,7 @@ packed weights at run time.
 from __future__ import annotations
 
 import weakref
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -61,9 +62,24 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and onednn_packs(weight.dtype)
     )
+
+
+@cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN reorders a `dtype` linear weight on this CPU: its bf16 path needs
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only core refuses it: RuntimeError), and then
+    the weight stays plain."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    ):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:

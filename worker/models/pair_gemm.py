@@ -28,14 +28,12 @@ None elsewhere, and linears stay on oneDNN.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from functools import cache
 
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import FewRowsLinear, output_groups
+from worker.models.few_rows import FewRowsLinear, median_seconds, output_groups
 
 logger = logging.getLogger(__name__)
 
@@ -373,13 +371,3 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
         torch.set_num_threads(threads)
     return name, ours < 0.9 * theirs
 
-
-def median_seconds(fn, repeat: int) -> float:
-    """Median wall seconds of `repeat` calls of `fn`, after one to warm up."""
-    fn()  # warm
-    runs = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
