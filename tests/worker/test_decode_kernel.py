@@ -217,7 +217,10 @@ def test_smollm2_bf16_over_a_shared_system_prompt_picks_hfs_tokens(
 
     path = require_smollm2_dir()
     transformers = pytest.importorskip("transformers")
-    tie, new_tokens = 0.25, 16  # 0.25: two bf16 steps of a logit between 16 and 32
+    # 0.375: three bf16 steps of a logit between 16 and 32. Two sufficed where oneDNN packs the
+    # bf16 linears; on an AVX2 core (no oneDNN bf16 path) torch's own bf16 matmul rounds
+    # otherwise, and one token of 64 came 0.375 below HF's best
+    tie, new_tokens = 0.375, 16
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     served = []

@@ -13,9 +13,10 @@ bits (greedy output stays HF's in test_engine_hf_identity).
 On one thread, a linear over a few rows (a decode batch: the kernel's `max_rows`) goes through
 a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the CPU has
 AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
-`worker.models.f32_gemm`. Each streams a third copy of the weight, packed for it, faster than
-oneDNN reads its own at those sizes; more rows, or more threads (oneDNN uses them all, the C
-loops one), stay on oneDNN.
+`worker.models.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
+copy of the weight, packed for it, faster than oneDNN reads its own at those sizes; more rows,
+or more threads (oneDNN uses them all, the C loops one), stay on oneDNN. A dtype oneDNN cannot
+reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain weights.
 
 Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
 (`module.packed` and `module.few_rows`, the price: two more copies of the linear weights in
