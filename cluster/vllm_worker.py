@@ -50,10 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 
 from router.backends import PROBE_TOKENS, HttpBackend
 from worker.models.builtin import resolve_model
-from worker.models.loader import cpu_has_bf16
+from worker.models.loader import cpu_compute_dtype
 
 log = logging.getLogger("radixray.cluster")
 
@@ -92,9 +93,10 @@ class VllmConfig:
     must exist on every node). python: the interpreter of an environment with vLLM installed.
     args: more flags for vLLM's server (`--vllm-args`, e.g. `--max-model-len 4096`). device:
     cuda or cpu. dtype: vLLM's `--dtype`; None or "auto": vLLM's own choice, except on a CPU
-    without bf16 units (`cpu_has_bf16`), where float32 (vLLM takes bfloat16 on any x86 CPU, and
-    emulates it ~4x slower there: `worker.models.loader.auto_dtype`). cpu_threads: torch threads
-    of a CPU engine (`OMP_NUM_THREADS`). api_key: the engines require it, as the routers do.
+    that computes float32 faster than bfloat16 (`cpu_compute_dtype`: no bf16 units), where
+    float32 (vLLM takes bfloat16 on any x86 CPU, and emulates it ~4x slower there:
+    `worker.models.loader.auto_dtype`). cpu_threads: torch threads of a CPU engine
+    (`OMP_NUM_THREADS`). api_key: the engines require it, as the routers do.
     probe_tokens: the long prompt of the probe each worker runs on its engine before it first
     answers `ready()` (module docstring; 0: none, the routers learn the speeds from traffic).
     """
@@ -125,7 +127,8 @@ class VllmConfig:
 
     def engine_dtype(self) -> str | None:
         """The `--dtype` this node's engine gets (see the class docstring); None: none."""
-        if self.dtype in (None, "auto") and self.device == "cpu" and not cpu_has_bf16():
+        cpu_float32 = self.device == "cpu" and cpu_compute_dtype() == torch.float32
+        if self.dtype in (None, "auto") and cpu_float32:
             return "float32"
         return self.dtype
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from cluster.cli import build_parser
 from cluster.config import VLLM_PYTHON_ENV, ClusterConfig
@@ -130,7 +131,8 @@ def test_vllm_command_turns_on_prefix_caching_and_kv_events():
 @pytest.mark.parametrize("bf16_units", [False, True])
 def test_vllm_runs_float32_on_a_cpu_that_would_emulate_bfloat16(monkeypatch, bf16_units):
     # the CPU's flags stand in for the two kinds of machine (this one has one of them)
-    monkeypatch.setattr("cluster.vllm_worker.cpu_has_bf16", lambda: bf16_units)
+    monkeypatch.setattr("cluster.vllm_worker.cpu_compute_dtype",
+                        lambda: torch.bfloat16 if bf16_units else torch.float32)
     unasked = None if bf16_units else "float32"  # vLLM's own choice is bfloat16 on any x86
 
     def dtype_flag(**kwargs) -> str | None:

@@ -7,6 +7,7 @@ in seconds. The KV pool is a few 128-token blocks so that evictions happen.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -32,9 +33,18 @@ def cpu_dtype() -> str:
     natively, else float32 (vLLM's own choice, bfloat16 on any x86 CPU, is emulated there and
     ~4x slower; `worker.models.loader.auto_dtype`)."""
     sys.path.insert(0, str(Path(__file__).parents[2]))
-    from worker.models.loader import cpu_has_bf16
+    from worker.models.loader import cpu_compute_dtype
 
-    return "bfloat16" if cpu_has_bf16() else "float32"
+    return str(cpu_compute_dtype()).removeprefix("torch.")
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """The benches' `--dtype` for their vLLM engines (and radixray's, where a bench runs one),
+    defaulting to `cpu_dtype()`."""
+    parser.add_argument("--dtype", default=cpu_dtype(), choices=("bfloat16", "float32"),
+                        help="the engines' dtype (default: bfloat16 "
+                        "where the CPU computes it natively, vLLM's own choice on a float32 "
+                        "checkpoint; else float32, where vLLM would emulate bfloat16 ~4x slower)")
 
 
 def vllm_model_dir(root: Path) -> Path:

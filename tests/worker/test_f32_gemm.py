@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import worker.models.f32_gemm as f32_gemm
+import worker.models.few_rows as few_rows
 from tests.worker.kernel_kit import build_without
 
 KERNEL = f32_gemm.build()  # as built, whether or not `load` takes it on this core
@@ -87,6 +88,7 @@ def test_linears_take_the_kernel_only_up_to_the_rows_it_wins_at(monkeypatch, row
 def test_calibration_times_each_row_count_until_the_kernel_loses(monkeypatch):
     # (ours, oneDNN's) seconds at 1, 2 and 4 rows: the kernel loses from 4 rows on
     times = iter([1.0, 2.0, 1.0, 2.0, 3.0, 2.0])
-    monkeypatch.setattr(f32_gemm, "median_seconds", lambda fn, repeat: next(times))
+    for module in (f32_gemm, few_rows):  # the kernel's timing and oneDNN's
+        monkeypatch.setattr(module, "median_seconds", lambda fn, repeat: next(times))
     assert f32_gemm.calibrate(KERNEL) == 2
     assert next(times, None) is None  # nothing timed past the first loss

@@ -25,7 +25,13 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import FewRowsLinear, median_seconds, output_groups
+from worker.models.few_rows import (
+    FewRowsLinear,
+    median_seconds,
+    one_thread,
+    onednn_timer,
+    output_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,20 +151,12 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(1536, 576, generator=gen)
     w = pack(dense)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    onednn = onednn_timer(dense, repeat)
     best = 0
-    try:
+    with one_thread():
         for rows in CALIBRATION_ROWS:
             x = torch.randn(rows, 576, generator=gen)
-            ours = median_seconds(lambda x=x: kernel(x, w, None, 1536), repeat)
-            theirs = median_seconds(
-                lambda x=x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""),
-                repeat)
-            if ours >= theirs:
+            if median_seconds(lambda x=x: kernel(x, w, None, 1536), repeat) >= onednn(x):
                 break
             best = rows
-    finally:
-        torch.set_num_threads(threads)
     return best

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -60,3 +62,22 @@ def median_seconds(fn, repeat: int) -> float:
         fn()
         runs.append(time.perf_counter() - start)
     return statistics.median(runs)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside: the kernels are timed as they run (one engine a core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def onednn_timer(dense: torch.Tensor, repeat: int) -> Callable[[torch.Tensor], float]:
+    """x -> median seconds of oneDNN's packed linear over x, with the weight `dense` [O, K]
+    packed as `packed.pack_linears` packs it (what a kernel must beat to be used)."""
+    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
+    return lambda x: median_seconds(
+        lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), repeat)

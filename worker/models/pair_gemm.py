@@ -33,7 +33,13 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import FewRowsLinear, median_seconds, output_groups
+from worker.models.few_rows import (
+    FewRowsLinear,
+    median_seconds,
+    one_thread,
+    onednn_timer,
+    output_groups,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -355,19 +361,14 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
     w = pack(dense)
-    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    onednn = onednn_timer(dense, repeat)
+    with one_thread():
         x = torch.randn(DECODE_ROWS, 576, generator=gen).to(torch.bfloat16)
         times = {name: median_seconds(lambda k=k: k(x, w, None, 1536), repeat)
                  for name, k in built.items()}
         name = min(times, key=times.__getitem__)
         x = torch.randn(PREFILL_ROWS, 576, generator=gen).to(torch.bfloat16)
         ours = median_seconds(lambda: built[name](x, w, None, 1536), repeat)
-        theirs = median_seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), repeat)
-    finally:
-        torch.set_num_threads(threads)
+        theirs = onednn(x)
     return name, ours < 0.9 * theirs
 
