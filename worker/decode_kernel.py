@@ -19,11 +19,14 @@ words, then per head the scores of all its queries, their softmax over the tile,
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
 work, so the memory reads overlap the arithmetic. Elsewhere, and always over a float32 pool
 (the dtype of CPUs without bf16 units), the same segments and online softmax run on float32
-vectors, a KV head at a time, in blocks of 512 keys: plain C the compiler vectorizes. A segment
-of up to 8 queries per KV head takes a dot product per key row; more (a group over its shared
-prefix) hold 16 queries per vector against each key's dims broadcast, 16 keys at a time,
-transposed in registers into the queries' score rows. p @ V takes four queries per pass over
-a block's value rows.
+vectors, a KV head at a time, in blocks of 512 keys, in plain C over the compiler's vector
+types: 16 lanes where the core has AVX-512, 8 elsewhere (AVX2 has 16 registers of 8 floats:
+built at 16 lanes on an AVX2 core, this path took 5-12x as long over one layer). A segment
+of up to 8 queries per KV head takes, per query, the products of a vector's width of keys at
+once, then sums each key's lanes in a tree of shuffles; more (a group over its shared prefix)
+hold a vector's width of queries against each key's dims broadcast, as many keys at a time,
+transposed in registers into the queries' score rows. p @ V takes four queries (two at 8
+lanes) per pass over a block's value rows.
 """
 
 from __future__ import annotations
@@ -384,61 +387,124 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     return 0;
 }
 #else
-/* Elsewhere, and for a float32 pool: float32 vectors, a KV head at a time, keys in softmax
-   blocks of KVS. */
+/* Elsewhere, and for a float32 pool: float32 vectors of VW lanes, a KV head at a time, keys in
+   softmax blocks of KVS. VW is 16 where the core has AVX-512 (32 registers of 16 floats) and 8
+   elsewhere (AVX2: 16 registers of 8), so that the tiles below stay in registers; a test
+   builds the other width too (`-DVW=...`). */
+#ifndef VW
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+#endif
 #define KVS 512
 #define PF_KEYS 16  /* keys between a row's prefetch and its use */
 #define DOT_QUERIES 8  /* segments of up to this many queries per KV head take dot products */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* any float address */
-
+#if VW == 16
+#define PV_QUERIES 4  /* queries per pass of p @ V over a block's value rows */
+#else
+#define PV_QUERIES 2
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));  /* any float address */
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
 
 #ifdef __clang__
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-typedef int32_t v16i __attribute__((vector_size(64)));
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v16i){__VA_ARGS__})
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* Lanes of two vectors a, b (b's numbered from VW) for a block width B: LO<B> takes lane l of
+   a where bit B of l is clear and lane l - B of b where it is set; HI<B> lane l + B of a and
+   lane l of b. */
+#if VW == 16
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define LO2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define HI2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define LO1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define HI1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#else
+#define LO4 0, 1, 2, 3, 8, 9, 10, 11
+#define HI4 4, 5, 6, 7, 12, 13, 14, 15
+#define LO2 0, 1, 8, 9, 4, 5, 12, 13
+#define HI2 2, 3, 10, 11, 6, 7, 14, 15
+#define LO1 0, 8, 2, 10, 4, 12, 6, 14
+#define HI1 1, 9, 3, 11, 5, 13, 7, 15
 #endif
 
 /* Rows r[i] and r[i + B] (i with bit B clear) swap their off-diagonal B-wide blocks. */
 #define SWAP_BLOCKS(r, B, LO, HI)                      \
-    for (int i = 0; i < 16; i++)                       \
+    for (int i = 0; i < VW; i++)                       \
         if (!(i & B)) {                                \
-            v16 a = r[i], b = r[i + B];                \
+            vf a = r[i], b = r[i + B];                 \
             r[i] = SHUFFLE(a, b, LO);                  \
             r[i + B] = SHUFFLE(a, b, HI);              \
         }
-#define P8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define Q8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define P4 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
-#define Q4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
-#define P2 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
-#define Q2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
-#define P1 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
-#define Q1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 
-/* r [16 rows of 16] transposed in place: off-diagonal blocks of 8, 4, 2, 1 swapped. */
-static inline void transpose16x16(v16 *r) {
-    SWAP_BLOCKS(r, 8, P8, Q8)
-    SWAP_BLOCKS(r, 4, P4, Q4)
-    SWAP_BLOCKS(r, 2, P2, Q2)
-    SWAP_BLOCKS(r, 1, P1, Q1)
+/* Rows r[i] (i < B) become the sums of r[i] and r[i + B] folded by B lanes: lanes with bit B
+   clear hold r[i]'s pairs of lanes B apart, the others r[i + B]'s. */
+#define FOLD(r, B, LO, HI)                             \
+    for (int i = 0; i < B; i++) {                      \
+        vf a = r[i], b = r[i + B];                     \
+        r[i] = SHUFFLE(a, b, LO) + SHUFFLE(a, b, HI);  \
+    }
+
+/* r [VW rows of VW] transposed in place. */
+static inline void transpose(vf *r) {
+#if VW == 16
+    SWAP_BLOCKS(r, 8, LO8, HI8)
+#endif
+    SWAP_BLOCKS(r, 4, LO4, HI4)
+    SWAP_BLOCKS(r, 2, LO2, HI2)
+    SWAP_BLOCKS(r, 1, LO1, HI1)
+}
+
+/* The sum of each of the VW rows r (overwritten): lane j of the result is row j's. */
+static inline vf row_sums(vf *r) {
+#if VW == 16
+    FOLD(r, 8, LO8, HI8)
+#endif
+    FOLD(r, 4, LO4, HI4)
+    FOLD(r, 2, LO2, HI2)
+    FOLD(r, 1, LO1, HI1)
+    return r[0];
+}
+
+/* The largest of p[0..n), n >= 1. */
+static inline float max_of(const float *p, int64_t n) {
+    int64_t j = 0;
+    float m = p[0];
+    if (n >= VW) {
+        vf mv = *(const vfu *)p;
+        for (j = VW; j + VW <= n; j += VW) {
+            vf x = *(const vfu *)(p + j);
+            vi gt = x > mv;
+            mv = (vf)(((vi)x & gt) | ((vi)mv & ~gt));
+        }
+        for (int l = 0; l < VW; l++) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; j < n; j++) m = p[j] > m ? p[j] : m;
+    return m;
 }
 
 /* Scores of the nq queries against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]
-   (for j up to nb rounded up to 16); each key's value row as float32 into vr[j]: the pool's own
-   row (float32 pool), or its copy in vf [KB, D]. The queries come scaled, as rows qf [nq, D]
-   and, where nq > DOT_QUERIES, transposed as qt [D, nqp] (nqp a multiple of 16, zero past
-   nq). */
+   (for j up to nb rounded up to VW); each key's rows as float32: K into kf[j] and V into vr[j],
+   the pool's own rows (float32 pool) or their copies in kt and vt [KB, D]. The queries come
+   scaled, as rows qf [nq, D] and, where nq > DOT_QUERIES, transposed as qt [D, nqp] (nqp a
+   multiple of VW, zero past nq). */
 static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp,
                        const elem_t *kpool, const elem_t *vpool, const int64_t *sl, int64_t nb,
                        int64_t left, int64_t KVH, int64_t h, int64_t D, float *kt,
-                       const float **vr, float *vf, float *sc) {
-    const int64_t DV = D / 16;
-    const elem_t *kr[KB];
+                       const float **vr, float *vt, float *sc) {
+    const int64_t DV = D / VW;
+    const float *kf[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
-        kr[j] = kpool + off;
         if (j + PF_KEYS < left) {  /* the rows of a key PF_KEYS on: memory reads overlap */
             const char *kp = (const char *)(kpool + (sl[j + PF_KEYS] * KVH + h) * D);
             const char *vp = (const char *)(vpool + (sl[j + PF_KEYS] * KVH + h) * D);
@@ -448,65 +514,65 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
             }
         }
 #ifdef ELEM_F32
+        kf[j] = kpool + off;
         vr[j] = vpool + off;
 #else
-        for (int64_t d = 0; d < D; d++) vf[j * D + d] = E_LOAD(vpool[off + d]);
-        vr[j] = vf + j * D;
+        for (int64_t d = 0; d < D; d++) {
+            kt[j * D + d] = E_LOAD(kpool[off + d]);
+            vt[j * D + d] = E_LOAD(vpool[off + d]);
+        }
+        kf[j] = kt + j * D;
+        vr[j] = vt + j * D;
 #endif
     }
-    if (nq <= DOT_QUERIES) {  /* few queries: a dot product per key row */
-        for (int64_t j = 0; j < nb; j++) {
-#ifdef ELEM_F32
-            const v16u *kv = (const v16u *)kr[j];
-#else
-            float *krow = kt + j % 2 * D;
-            for (int64_t d = 0; d < D; d++) krow[d] = E_LOAD(kr[j][d]);
-            const v16 *kv = (const v16 *)krow;
-#endif
+    if (nq <= DOT_QUERIES) {  /* few queries: VW keys' products at once, then their sums */
+        for (int64_t j0 = 0; j0 < nb; j0 += VW)
             for (int64_t i = 0; i < nq; i++) {
-                const v16 *qv = (const v16 *)(qf + i * D);
-                v16 t = qv[0] * kv[0];
-                for (int64_t dv = 1; dv < DV; dv++) t += qv[dv] * kv[dv];
-                float x = 0.0f;
-                for (int l = 0; l < 16; l++) x += t[l];
-                sc[i * KVS + j] = x;
+                const vf *qv = (const vf *)(qf + i * D);
+                vf t[VW];
+                for (int j = 0; j < VW; j++) {
+                    const vfu *kv = (const vfu *)kf[j0 + j];
+                    vf x = qv[0] * kv[0];
+                    for (int64_t dv = 1; dv < DV; dv++) x += qv[dv] * kv[dv];
+                    t[j] = x;
+                }
+                *(vfu *)(sc + i * KVS + j0) = row_sums(t);
             }
-        }
         return;
     }
-    /* Many queries: 16 at a time in a vector, each key's dims broadcast against them (no
-       transposed copy of K), 16 keys per pass over the dims; the 16 x 16 scores (keys x
+    /* Many queries: VW at a time in a vector, each key's dims broadcast against them (no
+       transposed copy of K), VW keys per pass over the dims; the VW x VW scores (keys x
        queries) are transposed in registers into the queries' rows of sc. */
-    const v16 *qtv = (const v16 *)qt;
-    const int64_t NV = nqp / 16;
+    const vf *qtv = (const vf *)qt;
+    const int64_t NV = nqp / VW;
     for (int64_t c = 0; c < NV; c++) {
-        int64_t n = nq - c * 16 < 16 ? nq - c * 16 : 16;
-        for (int64_t j = 0; j < nb; j += 16) {  /* kr[] has KB (a multiple of 16) rows */
-            v16 s[16] = {{0}};
+        int64_t n = nq - c * VW < VW ? nq - c * VW : VW;
+        for (int64_t j = 0; j < nb; j += VW) {  /* kf[] has KB (a multiple of VW) rows */
+            vf s[VW] = {{0}};
             for (int64_t d = 0; d < D; d++) {
-                v16 qv = qtv[d * NV + c];
-                for (int t = 0; t < 16; t++) s[t] += E_LOAD(kr[j + t][d]) * qv;
+                vf qv = qtv[d * NV + c];
+                for (int t = 0; t < VW; t++) s[t] += kf[j + t][d] * qv;
             }
-            transpose16x16(s);
-            for (int64_t l = 0; l < n; l++) *(v16u *)(sc + (c * 16 + l) * KVS + j) = s[l];
+            transpose(s);
+            for (int64_t l = 0; l < n; l++) *(vfu *)(sc + (c * VW + l) * KVS + j) = s[l];
         }
     }
 }
 
 /* For NW queries w at once: acc_w [DV vectors] = acc_w * corr_w + sum_j p_w[j] * vr[j], four
-   vectors of dims per pass over the rows (a head of 64 dims: one pass), each row read once for
-   all NW: from L2 a row costs more than the NW x 4 products it feeds. */
-#define WEIGH(NW)                                                                          \
-static void weigh_values##NW(float *const *p, int64_t n, const float *const *vr,          \
-                             int64_t DV, v16u *const *acc, const float *corr) {           \
+   vectors of dims per pass over the rows, each row read once for all NW: from L2 a row costs
+   more than the NW x 4 products it feeds. */
+#define WEIGH(NAME, NW)                                                                    \
+static void NAME(float *const *p, int64_t n, const float *const *vr, int64_t DV,          \
+                 vfu *const *acc, const float *corr) {                                    \
     int64_t dv = 0;                                                                        \
     for (; dv + 4 <= DV; dv += 4) {                                                        \
-        v16 x[NW][4];                                                                      \
+        vf x[NW][4];                                                                       \
         for (int w = 0; w < NW; w++)                                                       \
             for (int b = 0; b < 4; b++) x[w][b] = acc[w][dv + b] * corr[w];               \
         for (int64_t j = 0; j < n; j++) {                                                  \
-            const v16u *v = (const v16u *)vr[j] + dv;                                      \
-            v16 v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];                                \
+            const vfu *v = (const vfu *)vr[j] + dv;                                        \
+            vf v0 = v[0], v1 = v[1], v2 = v[2], v3 = v[3];                                 \
             for (int w = 0; w < NW; w++) {                                                 \
                 float pw = p[w][j];                                                        \
                 x[w][0] += pw * v0;                                                        \
@@ -519,17 +585,17 @@ static void weigh_values##NW(float *const *p, int64_t n, const float *const *vr,
             for (int b = 0; b < 4; b++) acc[w][dv + b] = x[w][b];                          \
     }                                                                                      \
     for (; dv < DV; dv++) {                                                                \
-        v16 x[NW];                                                                         \
+        vf x[NW];                                                                          \
         for (int w = 0; w < NW; w++) x[w] = acc[w][dv] * corr[w];                          \
         for (int64_t j = 0; j < n; j++) {                                                  \
-            v16 v = ((const v16u *)vr[j])[dv];                                             \
+            vf v = ((const vfu *)vr[j])[dv];                                               \
             for (int w = 0; w < NW; w++) x[w] += p[w][j] * v;                              \
         }                                                                                  \
         for (int w = 0; w < NW; w++) acc[w][dv] = x[w];                                    \
     }                                                                                      \
 }
-WEIGH(1)
-WEIGH(4)
+WEIGH(weigh_values1, 1)
+WEIGH(weigh_values_many, PV_QUERIES)
 
 int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                      const int64_t *slots, const int64_t *seg, const int64_t *members,
@@ -541,11 +607,12 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     max_nq = (max_nq + 15) / 16 * 16;
 #ifdef ELEM_F32
-    const int64_t vf_floats = 0;  /* value rows are read where they lie */
+    const int64_t tile_floats = 0;  /* rows are read where they lie */
 #else
-    const int64_t vf_floats = KVS * D;  /* float32 copies of a block's value rows */
+    const int64_t tile_floats = KB * D;  /* float32 copies of a tile's key rows */
 #endif
-    size_t floats = 2 * max_nq * D + 2 * D + vf_floats + max_nq * KVS;
+    const int64_t vt_floats = tile_floats / KB * KVS;  /* and of a block's value rows */
+    size_t floats = 2 * max_nq * D + tile_floats + vt_floats + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);
     const float **vr = malloc(sizeof(float *) * KVS);  /* a block's value rows */
@@ -555,8 +622,8 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         free(vr);
         return 1;
     }
-    float *qf = buf, *qt = qf + max_nq * D, *kt = qt + max_nq * D, *vf = kt + 2 * D;
-    float *sc = vf + vf_floats;
+    float *qf = buf, *qt = qf + max_nq * D, *kt = qt + max_nq * D, *vt = kt + tile_floats;
+    float *sc = vt + vt_floats;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
     for (int64_t i = 0; i < B * H; i++) {
@@ -566,7 +633,7 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
         const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
-        const int64_t nqp = (nq + 15) / 16 * 16;
+        const int64_t nqp = (nq + VW - 1) / VW * VW;
         for (int64_t h = 0; h < KVH; h++) {
             for (int64_t i = 0; i < nq; i++) {  /* the segment's queries of head group h */
                 int64_t row = mem[i / G] * H + h * G + i % G;
@@ -582,14 +649,13 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB)
                     score_tile(qf, qt, nq, nqp, kpool, vpool, sl + b0 + t0,
                                nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
-                               kt, vr + t0, vf + t0 * D, sc + t0);
-                float *pw[4], cw[4];  /* p @ V four queries at a time */
-                v16u *aw[4];
+                               kt, vr + t0, vt + t0 * D, sc + t0);
+                float *pw[PV_QUERIES], cw[PV_QUERIES];  /* p @ V PV_QUERIES at a time */
+                vfu *aw[PV_QUERIES];
                 int nw = 0;
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
-                    float *p = sc + i * KVS, mb = p[0];
+                    float *p = sc + i * KVS, mb = max_of(p, nbk);
                     int64_t row = rows[i];
-                    for (int64_t j = 1; j < nbk; j++) mb = p[j] > mb ? p[j] : mb;
                     float m_new = mx[row] > mb ? mx[row] : mb;
                     float corr = exp_f32(mx[row] - m_new), psum = 0.0f;
                     for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
@@ -600,15 +666,15 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
                     pw[nw] = p;
-                    aw[nw] = (v16u *)(acc + row * D);
+                    aw[nw] = (vfu *)(acc + row * D);
                     cw[nw++] = corr;
-                    if (nw == 4) {
-                        weigh_values4(pw, nbk, vr, D / 16, aw, cw);
+                    if (nw == PV_QUERIES) {
+                        weigh_values_many(pw, nbk, vr, D / VW, aw, cw);
                         nw = 0;
                     }
                 }
                 for (int w = 0; w < nw; w++)
-                    weigh_values1(pw + w, nbk, vr, D / 16, aw + w, cw + w);
+                    weigh_values1(pw + w, nbk, vr, D / VW, aw + w, cw + w);
             }
         }
     }

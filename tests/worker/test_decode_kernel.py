@@ -3,7 +3,8 @@
 Against a float64 reference on random segment layouts (groups over a shared prefix, sequences
 over their own keys, any count of keys against the 32-key tiles and the float32 path's 512-key
 softmax blocks, head sizes with a 16-dim tail), over a bfloat16 pool and over a float32 one
-(its own build); the bfloat16 build's float32 path too (built here without AVX512-BF16);
+(its own build); the float32 vector path at 8 and 16 lanes over both pools (the bfloat16 one
+built here without AVX512-BF16);
 through the `native` backend against the `torch` reference, in both dtypes; its fallback when
 it cannot be built; and on the real SmolLM2 weights in bfloat16 against HF transformers,
 decoding over a shared system prompt (the one path that takes it).
@@ -89,11 +90,17 @@ def test_the_float32_pool_kernel_matches_float64_attention(kernel_f32, layout):
     check_layout(kernel_f32, layout)
 
 
-def test_the_float32_path_matches_float64_attention(tmp_path):
-    """The bfloat16 kernel as built for a CPU without AVX512-BF16 (its float32 vector path),
-    run here."""
-    library = build_without(decode_kernel.SOURCE, "-mno-avx512bf16", tmp_path)
-    kernel = decode_kernel.DecodeKernel(library)
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("width", [8, 16])
+def test_the_float32_vector_path_matches_float64_attention_at_either_width(
+    tmp_path, dtype, width
+):
+    """The float32 vector path at 8 lanes (what an AVX2 core builds) and at 16 (an AVX-512
+    core's), whichever this core builds by default, run here; over a bfloat16 pool as built for
+    a CPU without AVX512-BF16, and over a float32 pool."""
+    source = ("#define ELEM_F32 1\n" if dtype == torch.float32 else "") + decode_kernel.SOURCE
+    library = build_without(source, "-mno-avx512bf16", tmp_path, f"-DVW={width}")
+    kernel = decode_kernel.DecodeKernel(library, dtype)
     for seed, (kvh, group, dim) in enumerate([(3, 3, 64), (1, 4, 16), (2, 1, 48)]):
         groups = [(600, [1, 70, 3]), (0, [300]), (40, [5, 9])]
         check_layout(kernel, {"kv_heads": kvh, "group": group, "dim": dim, "groups": groups,
