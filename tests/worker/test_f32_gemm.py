@@ -1,7 +1,7 @@
 """The float32 few-rows linear (`worker.models.f32_gemm`): float32 sums of any shape against
-float64, as built here (AVX-512: blocks of 6 rows) and for a CPU without AVX-512 (blocks of 2),
-a row's result whatever rows share the call. When `linear` takes it, and the engine's output
-with it: test_packed_linear."""
+float64, as built here and at both vector widths (AVX-512's 16 lanes, blocks of 6 rows; 8
+elsewhere, a row at a time), a row's result whatever rows share the call. When `linear` takes
+it, and the engine's output with it: test_packed_linear."""
 
 from __future__ import annotations
 
@@ -54,10 +54,11 @@ def test_f32_linear_over_a_long_input():
         check(KERNEL, rows, 130, 1536, True, rows)
 
 
-def test_the_build_without_avx512_is_a_float32_sum_too(tmp_path):
-    """The kernel as built for a CPU without AVX-512 (blocks of 2 rows on 8-float vectors),
-    run here."""
-    library = build_without(f32_gemm.SOURCE, "-mno-avx512f", tmp_path)
+@pytest.mark.parametrize("width", [8, 16])
+def test_either_width_is_a_float32_sum_too(tmp_path, width):
+    """The kernel at 8 lanes (a CPU without AVX-512: one row a block) and at 16 (AVX-512's:
+    blocks of 6 rows), whichever this core builds by default, run here."""
+    library = build_without(f32_gemm.SOURCE, f"-DVW={width}", tmp_path)
     kernel = f32_gemm.F32Gemm(library.f32_linear, f32_gemm.MAX_ROWS)
     for rows in (1, 2, 3, 5, 32):
         check(kernel, rows, 200, 96, rows % 2 == 1, rows)
