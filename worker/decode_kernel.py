@@ -607,11 +607,11 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     max_nq = (max_nq + 15) / 16 * 16;
 #ifdef ELEM_F32
-    const int64_t tile_floats = 0;  /* rows are read where they lie */
+    const int64_t tile_floats = 0, vt_floats = 0;  /* rows are read where they lie */
 #else
     const int64_t tile_floats = KB * D;  /* float32 copies of a tile's key rows */
+    const int64_t vt_floats = KVS * D;   /* and of a block's value rows */
 #endif
-    const int64_t vt_floats = tile_floats / KB * KVS;  /* and of a block's value rows */
     size_t floats = 2 * max_nq * D + tile_floats + vt_floats + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * max_nq);

@@ -146,7 +146,7 @@ def load() -> F32Gemm | None:
         logger.info("float32 linears: oneDNN (the C kernel is slower on this core)")
         return None
     logger.info("float32 linears: C kernel up to %d rows", rows)
-    return F32Gemm(kernel._fn, rows)
+    return kernel.up_to(rows)
 
 
 def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:

@@ -8,6 +8,7 @@ groups, the last padded with zero outputs), `bias` [o] or NULL.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import statistics
 import time
@@ -27,6 +28,12 @@ class FewRowsLinear:
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         self._fn = fn
         self.max_rows = max_rows  # linears over more rows go to oneDNN (`packed.linear`)
+
+    def up_to(self, rows: int) -> FewRowsLinear:
+        """The same kernel, taking linears of at most `rows` rows."""
+        limited = copy.copy(self)
+        limited.max_rows = rows
+        return limited
 
     def __call__(
         self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
