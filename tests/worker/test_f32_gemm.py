@@ -1,6 +1,7 @@
 """The float32 few-rows linear (`worker.models.f32_gemm`): float32 sums of any shape against
-float64, as built here and at both vector widths (AVX-512's 16 lanes, blocks of 6 rows; 8
-elsewhere, a row at a time), a row's result whatever rows share the call. When `linear` takes
+float64, as built here and at both vector widths (AVX-512's 16 lanes, groups of 64 outputs and
+blocks of up to 6 rows; 8 lanes elsewhere, groups of 8 and blocks of up to 8), a row's result
+whatever rows share the call. When `linear` takes
 it, and the engine's output with it: test_packed_linear."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def check(kernel, rows, out_features, in_features, bias, seed):
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    out = kernel(x, f32_gemm.pack(w), b, out_features)
+    out = kernel(x, kernel.pack(w), b, out_features)
     assert out.shape == (rows, out_features) and out.dtype == torch.float32
     assert within_float32_sums(out, x, w, b)
 
@@ -56,11 +57,13 @@ def test_f32_linear_over_a_long_input():
 
 @pytest.mark.parametrize("width", [8, 16])
 def test_either_width_is_a_float32_sum_too(tmp_path, width):
-    """The kernel at 8 lanes (a CPU without AVX-512: one row a block) and at 16 (AVX-512's:
-    blocks of 6 rows), whichever this core builds by default, run here."""
+    """The kernel at 8 lanes (a CPU without AVX-512) and at 16 (AVX-512's), whichever this
+    core builds by default, run here: every block size of either (rows 1-8, then blocks
+    split evenly), a group cut short by the outputs."""
     library = build_without(f32_gemm.SOURCE, f"-DVW={width}", tmp_path)
-    kernel = f32_gemm.F32Gemm(library.f32_linear, f32_gemm.MAX_ROWS)
-    for rows in (1, 2, 3, 5, 32):
+    kernel = f32_gemm.F32Gemm(library, f32_gemm.MAX_ROWS)
+    assert kernel.group == {8: 8, 16: 64}[width]
+    for rows in (*range(1, 10), 13, 31, 32):
         check(kernel, rows, 200, 96, rows % 2 == 1, rows)
         check(kernel, rows, 70, 1536, False, rows)
 
@@ -71,6 +74,14 @@ def test_f32_linear_keeps_the_batch_shape():
     out = KERNEL(x, f32_gemm.pack(w), None, 70)
     assert out.shape == (2, 3, 70)
     assert torch.equal(out[1, 2], KERNEL(x[1, 2:3], f32_gemm.pack(w), None, 70)[0])
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(100, 200, generator=gen), torch.randn(32, 200, generator=gen)
+    alone = torch.cat([KERNEL(x[i : i + 1], KERNEL.pack(w), None, 100) for i in range(32)])
+    for rows in (2, 7, 8, 9, 17, 32):  # blocks of every size either width makes
+        assert torch.equal(KERNEL(x[:rows], KERNEL.pack(w), None, 100), alone[:rows])
 
 
 @pytest.mark.parametrize("rows", [0, 8])

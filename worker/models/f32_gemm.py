@@ -3,15 +3,16 @@
 The float32 counterpart of `worker.models.pair_gemm`, for CPUs that serve float32 (those
 without bf16 units, where `auto` keeps a float32 checkpoint's dtype). A decode step reads every
 weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them at
-~10-16 GB/s on one Zen 4 core at 1-8 rows; this kernel keeps the stream near the core's ~25:
-the weight is packed once (`pack`) into groups of 64 outputs, input by input within a group
-(`[O/64][K][64]`), so each input's 64 weights are four consecutive 64-byte vectors, multiplied
-by that input broadcast and added into the group's float32 sums. With AVX-512 a block of up
-to 6 rows shares each load (24 sums in registers); elsewhere vectors are 8 floats and a row
-goes alone (its 8 sums and the weights fill AVX2's 16 registers). Plain C on GCC's vector
-types, so it builds for any x86 or Arm CPU. Measured by `bench/bench_linears.py --dtype
-float32` on SmolLM2-135M's layer shapes (one thread, 30 layers' weights from memory): see
-docs/engine.md.
+~10-16 GB/s on one Zen 4 core at 1-8 rows, and at 5-7 GB/s on an AVX2 EPYC core at 8-32 rows,
+where it is bound by its own arithmetic; this kernel keeps the stream near what the core can
+read. The weight is packed once (`F32Gemm.pack`) into groups of outputs, input by input within
+a group (`[O/G][K][G]`), so each input's G weights are consecutive vectors, multiplied by that
+input broadcast and added into the group's float32 sums, a block of rows sharing each load:
+with AVX-512 groups of 64 (four 16-float vectors) and blocks of up to 6 rows; elsewhere groups
+of 8 (one 8-float vector) and blocks of up to 8 rows, so up to 8 rows take the weights from
+memory once. Plain C on GCC's vector types, so it builds for any x86 or Arm CPU. Measured by
+`bench/bench_linears.py --dtype float32` on SmolLM2-135M's layer shapes (one thread, 30 layers'
+weights from memory): see docs/engine.md.
 
 Each output is one float32 sum over the inputs in order, then the bias, however many rows share
 the call (a row's result does not depend on the rows beside it): not oneDNN's order, so results
@@ -20,6 +21,7 @@ differ from its in the last bits.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from functools import cache
 
@@ -38,12 +40,19 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 32  # up to this many rows a linear takes this kernel; more go to oneDNN
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, MAX_ROWS)  # the row counts `calibrate` times
-GROUP = 64  # outputs per group of the packed layout (4 vectors of 16, or 8 of 8)
+CALIBRATION_BYTES = 64 << 20  # of distinct weights `calibrate` streams: more than a core's cache
 
 SOURCE = r"""
 #include <stdint.h>
+/* Each sum is over the inputs in order, whatever the block (no reassociation: a row's result
+   must not depend on the rows beside it). */
+#pragma GCC optimize("no-associative-math")
 /* VW floats a vector: 16 where the core has AVX-512, 8 elsewhere (a test builds the other
-   width with -DVW). A group's 64 outputs are NB vectors. */
+   width with -DVW). A group of GROUP outputs is NB vectors; a block of up to TILE rows shares
+   each weight load. The two widths' tiles fill their register files: with AVX-512 6 rows x 4
+   vectors of sums and the 4 weight vectors (28 of 32); with AVX2 8 rows x 1 vector of sums,
+   the weight vector and a broadcast input (10 of 16: 8 rows a pass over memory, where blocks
+   of 6 rows x 2 vectors ran SmolLM2's linears at 8 rows 1.4-1.5x oneDNN against 1.9-2x). */
 #ifndef VW
 #ifdef __AVX512F__
 #define VW 16
@@ -52,51 +61,100 @@ SOURCE = r"""
 #endif
 #endif
 #if VW == 16
-#define TILE 6  /* rows per block: 6 x 4 sums and the 4 weight vectors in 32 registers */
+#define GROUP 64
+#define TILE 6
 #else
-#define TILE 1  /* a row's 8 sums, each weight vector loaded where it is used: 16 registers */
+#define GROUP 8
+#define TILE 8
 #endif
-#define NB (64 / VW)
+#define NB (GROUP / VW)
+/* A block of few rows takes up to GANG groups at once, so that at least 8 vectors of sums are
+   in flight (each sum is a chain of FMAs, and the FMA units take a new one every half cycle
+   for some 4 cycles of latency): 4 groups a row at 8 lanes. */
+#define GANG 4
+#define GANG_OF(n) ((n) * NB >= 8 ? 1 : 8 / ((n) * NB) > GANG ? GANG : 8 / ((n) * NB))
 typedef float vf __attribute__((vector_size(4 * VW)));
-#define PF_INPUTS 16  /* software prefetch this many inputs' weights (256 bytes each) ahead */
+/* acc + a * b in one rounding where the core fuses it. Spelled out: GCC left one of the
+   blocks below a multiply and an add (other bits than the fused blocks beside it). */
+#if VW == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+#define FMA(acc, a, b) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
+#elif VW == 8 && defined(__FMA__)
+#include <immintrin.h>
+#define FMA(acc, a, b) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
+#else
+#define FMA(acc, a, b) ((acc) + (a) * (b))
+#endif
+#define PF_BYTES 4096  /* software prefetch this far ahead in a group's weights */
 
-/* n (1..TILE) rows at once: each weight load serves them all. One row has only its sums in
-   flight, which still retire a 64-byte vector a cycle or so: far more than memory gives. */
-static void rows_block(const float *x, int64_t k, const float *wg, int n, vf *res) {
-    vf acc[TILE][NB] = {{0}};
+int f32_group(void) { return GROUP; }
+
+/* n rows against ng groups from g0 (n, ng constants where it is inlined: the sums stay in
+   registers); then each row's sums of each group (those below o) plus the bias to `out`. */
+static inline __attribute__((always_inline)) void rows_block(
+    const float *x, int64_t k, const float *w, int64_t g0, const int ng, const int n,
+    const float *bias, float *out, int64_t o) {
+    vf acc[GANG][TILE][NB];
+    for (int g = 0; g < ng; g++)
+        for (int i = 0; i < n; i++)
+            for (int b = 0; b < NB; b++) acc[g][i][b] = (vf){0};
+    const float *wg = w + g0 * k * GROUP;
     for (int64_t p = 0; p < k; p++) {
-        const vf *w = (const vf *)(wg + p * 64);
-        /* four cache lines PF_INPUTS inputs ahead (a prefetch past the end never faults): the
-           hardware prefetchers alone leave part of one core's read bandwidth unused */
-        for (int b = 0; b < 4; b++) __builtin_prefetch(wg + (p + PF_INPUTS) * 64 + 16 * b);
-        vf wv[NB];
-        for (int b = 0; b < NB; b++) wv[b] = w[b];
-        for (int i = 0; i < TILE; i++) {
-            if (i >= n) break;
-            float xv = x[i * k + p];
-            for (int b = 0; b < NB; b++) acc[i][b] += xv * wv[b];
+        float xv[TILE];
+        for (int i = 0; i < n; i++) xv[i] = x[i * k + p];
+        for (int g = 0; g < ng; g++) {
+            const float *wp = wg + (g * k + p) * GROUP;
+            /* the hardware prefetchers alone leave part of one core's read bandwidth unused;
+               a prefetch past the end never faults */
+            for (int b = 0; b < GROUP; b += 16)
+                __builtin_prefetch((const char *)(wp + b) + PF_BYTES);
+            vf wv[NB];
+            for (int b = 0; b < NB; b++) wv[b] = ((const vf *)wp)[b];
+            for (int i = 0; i < n; i++) {
+                vf xi = (vf){0} + xv[i];  /* the input broadcast */
+                for (int b = 0; b < NB; b++) acc[g][i][b] = FMA(acc[g][i][b], xi, wv[b]);
+            }
         }
     }
-    for (int i = 0; i < n; i++)
-        for (int b = 0; b < NB; b++) res[i * NB + b] = acc[i][b];
+    for (int g = 0; g < ng; g++) {
+        int64_t first = (g0 + g) * GROUP, valid = o - first < GROUP ? o - first : GROUP;
+        for (int i = 0; i < n; i++) {
+            const float *s = (const float *)acc[g][i];
+            for (int64_t j = 0; j < valid; j++)
+                out[i * o + first + j] = s[j] + (bias ? bias[first + j] : 0.0f);
+        }
+    }
 }
 
+#define BLOCK(N)                                                                 \
+    case N:                                                                      \
+        if (ng == 1) rows_block(xr, k, w, g, 1, N, bias, dst, o);                \
+        else rows_block(xr, k, w, g, GANG_OF(N), N, bias, dst, o);               \
+        break;
+
 /* out[rows, o] = x[rows, k] . w^T (+ bias): x float32 row-major, w packed as
-   [ceil(o/64)][k][64] float32 (outputs past o are zero), bias float32 [o] or NULL. */
+   [ceil(o/GROUP)][k][GROUP] float32 (outputs past o are zero), bias float32 [o] or NULL. The
+   rows go in blocks as even as TILE allows (8 rows at TILE 6: 4 + 4, not 6 + 2, whose 2-row
+   pass has fewer sums in flight), each block over GANG groups at a time (from the cache for
+   the blocks after the first). */
 void f32_linear(const float *x, const float *w, const float *bias, float *out, int64_t rows,
                 int64_t k, int64_t o) {
-    int64_t groups = (o + 63) / 64;
-    vf res[TILE * NB];
-    for (int64_t g = 0; g < groups; g++) {
-        const float *wg = w + g * k * 64, *bg = bias ? bias + g * 64 : 0;
-        int64_t valid = o - g * 64 < 64 ? o - g * 64 : 64;
-        for (int64_t r = 0; r < rows;) {
-            int64_t n = rows - r >= TILE ? TILE : rows - r;
-            rows_block(x + r * k, k, wg, (int)n, res);
-            for (int64_t i = 0; i < n; i++) {
-                const float *s = (const float *)(res + i * NB);
-                float *dst = out + (r + i) * o + g * 64;
-                for (int64_t j = 0; j < valid; j++) dst[j] = s[j] + (bg ? bg[j] : 0.0f);
+    int64_t groups = (o + GROUP - 1) / GROUP, blocks = (rows + TILE - 1) / TILE;
+    for (int64_t gang = 0; gang < groups; gang += GANG) {
+        int64_t end = gang + GANG < groups ? gang + GANG : groups;
+        for (int64_t blk = 0, r = 0; blk < blocks; blk++) {
+            int64_t left = blocks - blk, n = (rows - r + left - 1) / left;
+            const float *xr = x + r * k;
+            float *dst = out + r * o;
+            for (int64_t g = gang; g < end;) {
+                int ng = g + GANG_OF(n) <= end ? GANG_OF(n) : 1;
+                switch (n) {
+                    BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+#if TILE > 6
+                    BLOCK(7) BLOCK(8)
+#endif
+                }
+                g += ng;
             }
             r += n;
         }
@@ -106,9 +164,18 @@ void f32_linear(const float *x, const float *w, const float *bias, float *out, i
 
 
 class F32Gemm(FewRowsLinear):
-    """The loaded library: `__call__` is the linear over a weight made by `pack`."""
+    """The loaded library: `__call__` is the linear over a weight made by its `pack`."""
 
     dtype = torch.float32
+
+    def __init__(self, library: ctypes.CDLL, max_rows: int) -> None:
+        super().__init__(library.f32_linear, max_rows)
+        library.f32_group.restype = ctypes.c_int
+        self.group = library.f32_group()  # outputs per group of its layout: 64 or 8 (SOURCE)
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[O, K] -> this build's layout `[ceil(O/G), K, G]`, outputs past O zero."""
+        return output_groups(weight, self.group).transpose(1, 2).contiguous()
 
 
 def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -122,8 +189,12 @@ def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[O, K] -> the kernel's layout `[ceil(O/64), K, 64]`, outputs past O zero."""
-    return output_groups(weight, GROUP).transpose(1, 2).contiguous()
+    """[O, K] in the layout of the kernel built here (`packed.pack_linears` calls it only where
+    `load` gave a kernel)."""
+    kernel = build()
+    if kernel is None:
+        raise RuntimeError("no float32 few-rows kernel here (no C compiler)")
+    return kernel.pack(weight)
 
 
 @cache
@@ -131,7 +202,7 @@ def build() -> F32Gemm | None:
     """The kernel as built here, taking up to `MAX_ROWS` rows; None where it cannot be built (no
     C compiler). `load` decides whether, and up to how many rows, linears take it."""
     library = c_library.build("f32_linear", SOURCE)
-    return F32Gemm(library.f32_linear, MAX_ROWS) if library is not None else None
+    return F32Gemm(library, MAX_ROWS) if library is not None else None
 
 
 @cache
@@ -151,24 +222,28 @@ def load() -> F32Gemm | None:
 
 def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     """The most rows (of `CALIBRATION_ROWS`, in order, up to the first it loses) at which
-    `kernel` takes less median time than oneDNN's packed linear over a layer-sized float32
-    linear; 0 if it loses at one row.
+    `kernel` takes less median time than oneDNN's packed linear over layer-sized float32
+    linears; 0 if it loses at one row.
 
-    Built for AVX-512 (blocks of 6 rows) on a Zen 4 core it ran SmolLM2's layers 1.6-2.1x as
-    fast as oneDNN at 1-2 rows and 1.04-1.2x at 32 (docs/engine.md); on an AMD EPYC with AVX2
-    only, at 8 lanes a row at a time, 1.19-1.40x at one row and 0.98-1.19x at 8 with the
-    weights streamed from memory (`bench/bench_linears.py --dtype float32`), and here, over one
-    weight the cache holds, it wins at one row only (16-lane vectors there, as once built, lost
-    at every row count: 0.53-0.70x at one row). Timed on one thread, as it runs."""
+    A pass goes over `CALIBRATION_BYTES` of distinct 1536x576 weights, so that they come from
+    memory as in a decode step: over one weight the cache holds, the two ran within noise of
+    each other at 4-32 rows on an AVX2 EPYC, and calibration took the kernel up to 4, 8 or 32
+    rows from one load to the next, where from memory it is 1.2-1.3x oneDNN at 32. Built for
+    AVX-512 (blocks of 6 rows) on a Zen 4 core it ran SmolLM2's layers 1.6-2.1x as fast as
+    oneDNN at 1-2 rows and 1.04-1.2x at 32 (docs/engine.md); on that EPYC (groups of 8
+    outputs, blocks of 8 rows) 1.85-2.0x at 1 and 8 rows (`bench/bench_linears.py --dtype
+    float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    dense = torch.randn(1536, 576, generator=gen)
-    w = pack(dense)
+    count = max(1, CALIBRATION_BYTES // (1536 * 576 * 4))
+    dense = [torch.randn(1536, 576, generator=gen) for _ in range(count)]
+    packed = [kernel.pack(w) for w in dense]
     onednn = onednn_timer(dense, repeat)
     best = 0
     with one_thread():
         for rows in CALIBRATION_ROWS:
             x = torch.randn(rows, 576, generator=gen)
-            if median_seconds(lambda x=x: kernel(x, w, None, 1536), repeat) >= onednn(x):
+            ours = median_seconds(lambda x=x: [kernel(x, w, None, 1536) for w in packed], repeat)
+            if ours >= onednn(x):
                 break
             best = rows
     return best

@@ -12,7 +12,7 @@ import copy
 import ctypes
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -82,9 +82,10 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def onednn_timer(dense: torch.Tensor, repeat: int) -> Callable[[torch.Tensor], float]:
-    """x -> median seconds of oneDNN's packed linear over x, with the weight `dense` [O, K]
-    packed as `packed.pack_linears` packs it (what a kernel must beat to be used)."""
-    onednn = torch.ops.mkldnn._reorder_linear_weight(dense, 32)  # `packed.BATCH_HINT`
+def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Callable[[torch.Tensor], float]:
+    """x -> median seconds of oneDNN's packed linear over x with each of `weights` ([O, K],
+    packed as `packed.pack_linears` packs them) in turn: what a kernel must beat to be used."""
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # BATCH_HINT
     return lambda x: median_seconds(
-        lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], ""), repeat)
+        lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
+        repeat)

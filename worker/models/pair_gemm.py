@@ -361,7 +361,7 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
     gen = torch.Generator().manual_seed(0)
     dense = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
     w = pack(dense)
-    onednn = onednn_timer(dense, repeat)
+    onednn = onednn_timer([dense], repeat)
     with one_thread():
         x = torch.randn(DECODE_ROWS, 576, generator=gen).to(torch.bfloat16)
         times = {name: median_seconds(lambda k=k: k(x, w, None, 1536), repeat)
