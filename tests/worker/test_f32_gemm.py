@@ -66,6 +66,7 @@ def test_either_width_is_a_float32_sum_too(tmp_path, width):
     for rows in (*range(1, 10), 13, 31, 32):
         check(kernel, rows, 200, 96, rows % 2 == 1, rows)
         check(kernel, rows, 70, 1536, False, rows)
+    assert_rows_alone_as_together(kernel)
 
 
 def test_f32_linear_keeps_the_batch_shape():
@@ -76,12 +77,20 @@ def test_f32_linear_keeps_the_batch_shape():
     assert torch.equal(out[1, 2], KERNEL(x[1, 2:3], f32_gemm.pack(w), None, 70)[0])
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+def assert_rows_alone_as_together(kernel):
+    """Each row's bits the same alone as among others (a batch's rows never change a
+    request's greedy tokens): every block size either width makes, the groups taken 1-4 at
+    once."""
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(100, 200, generator=gen), torch.randn(32, 200, generator=gen)
-    alone = torch.cat([KERNEL(x[i : i + 1], KERNEL.pack(w), None, 100) for i in range(32)])
-    for rows in (2, 7, 8, 9, 17, 32):  # blocks of every size either width makes
-        assert torch.equal(KERNEL(x[:rows], KERNEL.pack(w), None, 100), alone[:rows])
+    packed = kernel.pack(w)
+    alone = torch.cat([kernel(x[i : i + 1], packed, None, 100) for i in range(32)])
+    for rows in (2, 3, 5, 7, 8, 9, 17, 32):
+        assert torch.equal(kernel(x[:rows], packed, None, 100), alone[:rows])
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    assert_rows_alone_as_together(KERNEL)
 
 
 @pytest.mark.parametrize("rows", [0, 8])

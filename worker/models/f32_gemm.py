@@ -74,8 +74,9 @@ SOURCE = r"""
 #define GANG 4
 #define GANG_OF(n) ((n) * NB >= 8 ? 1 : 8 / ((n) * NB) > GANG ? GANG : 8 / ((n) * NB))
 typedef float vf __attribute__((vector_size(4 * VW)));
-/* acc + a * b in one rounding where the core fuses it. Spelled out: GCC left one of the
-   blocks below a multiply and an add (other bits than the fused blocks beside it). */
+/* acc + a * b in one rounding, always: left to -ffp-contract, GCC made one of the blocks
+   below a multiply and an add (other bits than the fused blocks beside it). The x86
+   intrinsic where the core has it at this width, else fmaf a lane (vectorised where it can). */
 #if VW == 16 && defined(__AVX512F__)
 #include <immintrin.h>
 #define FMA(acc, a, b) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
@@ -83,7 +84,10 @@ typedef float vf __attribute__((vector_size(4 * VW)));
 #include <immintrin.h>
 #define FMA(acc, a, b) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
 #else
-#define FMA(acc, a, b) ((acc) + (a) * (b))
+static inline vf FMA(vf acc, vf a, vf b) {
+    for (int l = 0; l < VW; l++) acc[l] = __builtin_fmaf(a[l], b[l], acc[l]);
+    return acc;
+}
 #endif
 #define PF_BYTES 4096  /* software prefetch this far ahead in a group's weights */
 
