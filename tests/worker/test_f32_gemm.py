@@ -1,8 +1,8 @@
 """The float32 few-rows linear (`worker.models.f32_gemm`): float32 sums of any shape against
 float64, as built here and at both vector widths (AVX-512's 16 lanes, groups of 64 outputs and
 blocks of up to 6 rows; 8 lanes elsewhere, groups of 8 and blocks of up to 8), a row's result
-whatever rows share the call. When `linear` takes
-it, and the engine's output with it: test_packed_linear."""
+whatever rows share the call. When `linear` takes it, and the engine's output with it:
+test_packed_linear."""
 
 from __future__ import annotations
 
