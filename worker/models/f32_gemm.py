@@ -3,7 +3,7 @@
 The float32 counterpart of `worker.models.pair_gemm`, for CPUs that serve float32 (those
 without bf16 units, where `auto` keeps a float32 checkpoint's dtype). A decode step reads every
 weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them at
-~10-16 GB/s on one Zen 4 core at 1-8 rows, and at 5-7 GB/s on an AVX2 EPYC core at 8-32 rows,
+~10-16 GB/s on one Zen 4 core at 1-8 rows, and at 2-8 GB/s on an AVX2 EPYC core at 1-32 rows,
 where it is bound by its own arithmetic; this kernel keeps the stream near what the core can
 read. The weight is packed once (`F32Gemm.pack`) into groups of outputs, input by input within
 a group (`[O/G][K][G]`), so each input's G weights are consecutive vectors, multiplied by that
@@ -232,10 +232,10 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     A pass goes over `CALIBRATION_BYTES` of distinct 1536x576 weights, so that they come from
     memory as in a decode step: over one weight the cache holds, the two ran within noise of
     each other at 4-32 rows on an AVX2 EPYC, and calibration took the kernel up to 4, 8 or 32
-    rows from one load to the next, where from memory it is 1.2-1.3x oneDNN at 32. Built for
+    rows from one load to the next, where from memory it is 1.18-1.29x oneDNN at 32. Built for
     AVX-512 (blocks of 6 rows) on a Zen 4 core it ran SmolLM2's layers 1.6-2.1x as fast as
     oneDNN at 1-2 rows and 1.04-1.2x at 32 (docs/engine.md); on that EPYC (groups of 8
-    outputs, blocks of 8 rows) 1.85-2.0x at 1 and 8 rows (`bench/bench_linears.py --dtype
+    outputs, blocks of 8 rows) 1.81-2.01x at 1 and 8 rows (`bench/bench_linears.py --dtype
     float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
     count = max(1, CALIBRATION_BYTES // (1536 * 576 * 4))
