@@ -44,9 +44,6 @@ CALIBRATION_BYTES = 64 << 20  # of distinct weights `calibrate` streams: more th
 
 SOURCE = r"""
 #include <stdint.h>
-/* Each sum is over the inputs in order, whatever the block (no reassociation: a row's result
-   must not depend on the rows beside it). */
-#pragma GCC optimize("no-associative-math")
 /* VW floats a vector: 16 where the core has AVX-512, 8 elsewhere (a test builds the other
    width with -DVW). A group of GROUP outputs is NB vectors; a block of up to TILE rows shares
    each weight load. The two widths' tiles fill their register files: with AVX-512 6 rows x 4
@@ -76,7 +73,9 @@ SOURCE = r"""
 typedef float vf __attribute__((vector_size(4 * VW)));
 /* acc + a * b in one rounding, always: left to -ffp-contract, GCC made one of the blocks
    below a multiply and an add (other bits than the fused blocks beside it). The x86
-   intrinsic where the core has it at this width, else fmaf a lane (vectorised where it can). */
+   intrinsic where the core has it at this width, else fmaf a lane (vectorised where it can).
+   GCC does not reassociate fused multiply-adds either (-fassociative-math), so every sum runs
+   over the inputs in order and a row's result does not depend on the rows beside it. */
 #if VW == 16 && defined(__AVX512F__)
 #include <immintrin.h>
 #define FMA(acc, a, b) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
@@ -238,15 +237,16 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     outputs, blocks of 8 rows) 1.81-2.01x at 1 and 8 rows (`bench/bench_linears.py --dtype
     float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    count = max(1, CALIBRATION_BYTES // (1536 * 576 * 4))
-    dense = [torch.randn(1536, 576, generator=gen) for _ in range(count)]
+    o, k = 1536, 576
+    count = max(1, CALIBRATION_BYTES // (o * k * 4))
+    dense = [torch.randn(o, k, generator=gen) for _ in range(count)]
     packed = [kernel.pack(w) for w in dense]
     onednn = onednn_timer(dense, repeat)
     best = 0
     with one_thread():
         for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, 576, generator=gen)
-            ours = median_seconds(lambda x=x: [kernel(x, w, None, 1536) for w in packed], repeat)
+            x = torch.randn(rows, k, generator=gen)
+            ours = median_seconds(lambda x=x: [kernel(x, w, None, o) for w in packed], repeat)
             if ours >= onednn(x):
                 break
             best = rows

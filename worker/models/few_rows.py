@@ -85,7 +85,7 @@ def one_thread() -> Iterator[None]:
 def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Callable[[torch.Tensor], float]:
     """x -> median seconds of oneDNN's packed linear over x with each of `weights` ([O, K],
     packed as `packed.pack_linears` packs them) in turn: what a kernel must beat to be used."""
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # BATCH_HINT
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # packed.BATCH_HINT
     return lambda x: median_seconds(
         lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
         repeat)
