@@ -19,10 +19,14 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   pool in place (and each sequence's own keys as one more), one online softmax per query
   across its segments (no gather, mask or merge). One sequence over 1k keys: 11-12 ms of a
   bf16 SmolLM2 step on torch's path, ~3 ms in the kernel.
-- Prefill without a cached prefix attends over its own new K/V (`is_causal`), no gather.
-- Prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask) and
-  to itself (causal) in two calls that also return the log-sum-exp of their scores; the two
-  partial results are merged exactly by their log-sum-exp. No `[q_len, kv_len]` mask is
+- Prefill on CPU over a float32 pool, or a bfloat16 one where the CPU has AVX512-BF16: each
+  chunk goes through `worker.prefill_kernel`, causal over its cached prefix and itself with
+  the keys read from the pool in place (no gather, mask or merge).
+- Elsewhere, prefill without a cached prefix attends over its own new K/V (`is_causal`), no
+  gather.
+- And prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask)
+  and to itself (causal) in two calls that also return the log-sum-exp of their scores; the
+  two partial results are merged exactly by their log-sum-exp. No `[q_len, kv_len]` mask is
   built. Other devices use the end-aligned mask as the reference does.
 """
 
@@ -41,7 +45,7 @@ class NativeAttention(AttentionBackend):
     name = "native"
 
     def __init__(self, use_kernel: bool = True) -> None:
-        self.use_kernel = use_kernel  # the C decode kernel where it serves (else pure torch)
+        self.use_kernel = use_kernel  # the C kernels where they serve (else pure torch)
         self._workspace: torch.Tensor | None = None  # [2, n, D]: gathered decode K and V
 
     def forward(self, q, k, v, layer, batch, kv_pool):
@@ -74,7 +78,7 @@ class NativeAttention(AttentionBackend):
     def _prefill_kernel(self, q: torch.Tensor, k_buf: torch.Tensor):
         if not (self.use_kernel and prefill_kernel.supports(q, k_buf)):
             return None
-        return prefill_kernel.load()
+        return prefill_kernel.load(q.dtype)
 
     def _gather(
         self, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan

@@ -1,15 +1,16 @@
-"""A CPU prefill-attention kernel in C for bfloat16 (AVX512-BF16), over the KV pool in place.
+"""CPU prefill-attention kernels in C over the KV pool in place: bfloat16 (AVX512-BF16) and
+float32 (any CPU).
 
 A prefill chunk of `nq` tokens attends causally to `nk` keys: its cached prefix and itself,
 query i seeing keys 0 .. nk - nq + i (the mask aligned to the end). Torch's SDPA needs the
 prefix gathered out of the pool first, and does this at 12-35 GFLOP/s on one Zen 4 core in bf16
 (`bench/bench_prefill_attention.py`).
 
-Here, per KV head, the chunk's keys are read from the pool by slot once and packed into pair
-words with vector shuffles: K as `[blocks][D/2][32]` (two dims of a key per word, by 16 x 16
-transposes), V as `[keys/2][D]` (a dim of two consecutive keys per word). Then blocks of queries
-(each query head of the group a row) walk the keys up to their diagonal in spans of 512, torch's
-flash kernel's key split:
+bfloat16 (`SOURCE`): per KV head, the chunk's keys are read from the pool by slot once and
+packed into pair words with vector shuffles: K as `[blocks][D/2][32]` (two dims of a key per
+word, by 16 x 16 transposes), V as `[keys/2][D]` (a dim of two consecutive keys per word). Then
+blocks of queries (each query head of the group a row) walk the keys up to their diagonal in
+spans of 512, torch's flash kernel's key split:
 - all the span's scores, as `vdpbf16ps` over pairs (products exact, sums float32), times the
   scale;
 - per row, an exact softmax over the span against the running max: one rescale of the sum and
@@ -20,8 +21,17 @@ chunk's last, a short chunk) computes only its rows, padded to the tiles of 8 an
 Measured there: ~150-160 GFLOP/s from 65 to 2,048 tokens (the core's bf16 peak is ~230), 4-13x
 torch's SDPA.
 
-Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
-None elsewhere (or without a compiler), and prefill keeps torch's flash kernel.
+float32 (`F32_SOURCE`): the same blocks, spans and softmax on float32 vectors of GCC's vector
+types (8 lanes on AVX2, 16 with AVX-512), so it builds for any CPU. Per KV head the keys are
+packed transposed (`[blocks][D][2 VW]`, by VW x VW transposes in registers), and both products
+run as the register tile of a float32 GEMM, 6 rows x 2 vectors: the scores over a packed block
+(each dim of it loaded once for 6 rows), then p.V over value rows read where they lie in the
+pool (each row's two vectors loaded once for 6 rows). Scores, weights and sums are float32,
+within float32 rounding of exact attention. On one AVX2 EPYC core at SmolLM2's heads, 1.1-2x
+the native backend's torch path (docs/engine.md).
+
+Built at first use by `worker.models.c_library`; `load(dtype)` returns None where the kernel
+cannot serve (bf16 without AVX512-BF16; no compiler), and prefill keeps torch's flash kernel.
 """
 
 from __future__ import annotations
@@ -278,11 +288,240 @@ int prefill_attention_available(void) { return 0; }
 """
 
 
-class PrefillKernel:
-    """The loaded library: `__call__` attends one prefill chunk over its keys in the pool."""
+# float32, for any CPU, on `c_library.FLOAT_VECTORS` (VW lanes). Per KV head the chunk's keys are
+# packed transposed in blocks of KB (`[blocks][D][KB]`, zero past nk) so that a score tile is SR
+# rows x two vectors of keys, each dim of a block loaded once for the SR rows; the values are
+# read where they lie in the pool. Spans of SB keys as in the bf16 kernel: the span's scores up
+# to each row tile's diagonal, then per row the exact softmax against the running max (e^x as
+# exp_f32's polynomial on VW lanes), then p.V a row tile at a time. Every sum float32.
+F32_SOURCE = c_library.FLOAT_VECTORS + r"""
+#include <stdlib.h>
+#include <string.h>
+#define KB (2 * VW)  /* keys per packed block: a score tile's width */
+#define SB 512       /* keys per softmax span (a multiple of KB) */
+#define SR 6         /* rows per score tile */
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.prefill_attention
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline vf select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+
+/* e^x on VW lanes, exp_f32's polynomial; x <= 0 here (a score less the row's max): below -87
+   it is e^-87. n = x / ln 2 rounded is read from the bits of x / ln 2 + 1.5 * 2^23 (the flags
+   allow reassociation, so not as that sum less 1.5 * 2^23), and 2^n built in exponent bits. */
+static inline vf exp_v(vf x) {
+    x = select(x < splat(-87.0f), splat(-87.0f), x);
+    const vf magic = splat(12582912.0f);
+    vf t = x * 1.44269504088896341f + magic;
+    vi ni = (vi)t - (vi)magic;
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf y = p * r * r + r + 1.0f;
+    return y * (vf)((ni + 127) << 23);
+}
+
+/* Lane l of the result: l + base < n. */
+static inline vi lanes_below(int64_t base, int64_t n) {
+    vi idx;
+    for (int l = 0; l < VW; l++) idx[l] = l;
+    return idx + (int32_t)base < (int32_t)n;
+}
+
+/* KV head h of the keys at slots (nk of them), transposed in blocks: kp[b][d][j] is dim d of key
+   b * KB + j (zero past nk), VW keys x VW dims at a time through the registers. */
+static void pack_keys(const float *kpool, const int64_t *slots, int64_t nk, int64_t KVH,
+                      int64_t h, int64_t D, float *kp) {
+    const int64_t nblk = (nk + KB - 1) / KB;
+    for (int64_t b = 0; b < nblk; b++)
+        for (int64_t half = 0; half < KB; half += VW) {
+            const float *rows[VW];
+            for (int i = 0; i < VW; i++) {
+                const int64_t key = b * KB + half + i;
+                rows[i] = key < nk ? kpool + (slots[key] * KVH + h) * D : NULL;
+            }
+            for (int64_t d = 0; d < D; d += VW) {
+                vf r[VW];
+                for (int i = 0; i < VW; i++)
+                    r[i] = rows[i] ? *(const vfu *)(rows[i] + d) : splat(0.0f);
+                transpose(r);
+                for (int t = 0; t < VW; t++) *(vf *)(kp + (b * D + d + t) * KB + half) = r[t];
+            }
+        }
+}
+
+/* Scores of SR rows qs [SR][D] (scaled) against one packed block kb [D][KB], into s (row
+   stride ss). */
+static inline void score_tile(const float *qs, int64_t D, const float *kb, float *s, int64_t ss) {
+    vf a[SR][2];
+    for (int r = 0; r < SR; r++) a[r][0] = a[r][1] = splat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        const vf k0 = *(const vf *)(kb + d * KB), k1 = *(const vf *)(kb + d * KB + VW);
+        for (int r = 0; r < SR; r++) {
+            const float x = qs[r * D + d];
+            a[r][0] += x * k0;
+            a[r][1] += x * k1;
+        }
+    }
+    for (int r = 0; r < SR; r++) {
+        *(vfu *)(s + r * ss) = a[r][0];
+        *(vfu *)(s + r * ss + VW) = a[r][1];
+    }
+}
+
+/* For SR rows r: acc_r [D] = acc_r * corr_r + sum_{j < n} p_r[j] * vr[j] (p_r at p + r * ps),
+   two vectors of dims a pass: a value row's two vectors loaded once for the SR rows, the
+   register tile of the scores again. */
+static inline void weigh_tile(const float *p, int64_t ps, int64_t n, const float *const *vr,
+                              int64_t D, float *acc, const float *corr) {
+    int64_t d = 0;
+    for (; d + 2 * VW <= D; d += 2 * VW) {
+        vf a[SR][2];
+        for (int r = 0; r < SR; r++) {
+            a[r][0] = *(vfu *)(acc + r * D + d) * corr[r];
+            a[r][1] = *(vfu *)(acc + r * D + d + VW) * corr[r];
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const vf v0 = *(const vfu *)(vr[j] + d), v1 = *(const vfu *)(vr[j] + d + VW);
+            for (int r = 0; r < SR; r++) {
+                const float x = p[r * ps + j];
+                a[r][0] += x * v0;
+                a[r][1] += x * v1;
+            }
+        }
+        for (int r = 0; r < SR; r++) {
+            *(vfu *)(acc + r * D + d) = a[r][0];
+            *(vfu *)(acc + r * D + d + VW) = a[r][1];
+        }
+    }
+    for (; d < D; d += VW) {  /* D an odd number of vectors */
+        vf a[SR];
+        for (int r = 0; r < SR; r++) a[r] = *(vfu *)(acc + r * D + d) * corr[r];
+        for (int64_t j = 0; j < n; j++) {
+            const vf v = *(const vfu *)(vr[j] + d);
+            for (int r = 0; r < SR; r++) a[r] += p[r * ps + j] * v;
+        }
+        for (int r = 0; r < SR; r++) *(vfu *)(acc + r * D + d) = a[r];
+    }
+}
+
+/* q [nq, H, D], out [nq, H, D] float32, contiguous; pools [S, KVH, D] float32; slots [nk] the
+   chunk's keys in order (its cached prefix, then its own), nk >= nq; D a multiple of VW.
+   Query i attends keys 0 .. nk - nq + i. Returns 0, or 1 when out of memory. */
+int prefill_attention_f32(const float *q, const float *kpool, const float *vpool,
+                          const int64_t *slots, int64_t nk, int64_t nq, int64_t H, int64_t KVH,
+                          int64_t D, float scale, int64_t rows_per_block, float *out) {
+    const int64_t G = H / KVH, nblk = (nk + KB - 1) / KB;
+    int64_t qi = rows_per_block / G;
+    qi = qi < 1 ? 1 : qi;
+    const int64_t rows = (qi * G + SR - 1) / SR * SR;  /* a block's rows, padded to the tile */
+    float *kp = aligned_alloc(64, (size_t)nblk * D * KB * 4 + 64);
+    float *qs = aligned_alloc(64, (size_t)rows * D * 4 + 64);
+    float *s = aligned_alloc(64, (size_t)rows * SB * 4 + 64);
+    float *acc = aligned_alloc(64, (size_t)rows * D * 4 + 64);
+    float *mx = malloc(rows * 4), *sum = malloc(rows * 4), *corr = malloc(rows * 4);
+    int64_t *nv = malloc(rows * 8);  /* each row's visible keys in the span */
+    const float **vr = malloc(sizeof(float *) * SB);
+    if (!kp || !qs || !s || !acc || !mx || !sum || !corr || !nv || !vr) {
+        free(kp); free(qs); free(s); free(acc); free(mx); free(sum); free(corr); free(nv);
+        free(vr);
+        return 1;
+    }
+    for (int64_t h = 0; h < KVH; h++) {
+        pack_keys(kpool, slots, nk, KVH, h, D, kp);
+        for (int64_t i0 = 0; i0 < nq; i0 += qi) {
+            const int64_t ni = nq - i0 < qi ? nq - i0 : qi, used = ni * G;
+            const int64_t rt = (used + SR - 1) / SR * SR;  /* rows computed: whole tiles */
+            /* row r: query i0 + r / G, head h * G + r % G, scaled; padding rows are zero */
+            for (int64_t r = 0; r < rt; r++) {
+                const float *src = q + ((i0 + r / G) * H + h * G + r % G) * D;
+                for (int64_t d = 0; d < D; d += VW)
+                    *(vf *)(qs + r * D + d) = r < used ? *(const vfu *)(src + d) * scale
+                                                       : splat(0.0f);
+            }
+            for (int64_t r = 0; r < rt; r++) {
+                mx[r] = -1e30f;
+                sum[r] = 0.0f;
+            }
+            memset(acc, 0, (size_t)rt * D * 4);
+            const int64_t base = nk - nq + i0;  /* row r sees keys 0 .. base + r / G */
+            const int64_t end = base + ni;      /* keys visible to some row: 0 .. end - 1 */
+            for (int64_t k0 = 0; k0 < end; k0 += SB) {
+                const int64_t span = end - k0 < SB ? end - k0 : SB;
+                for (int64_t j = 0; j < span; j++) vr[j] = vpool + (slots[k0 + j] * KVH + h) * D;
+                /* each row tile's scores up to its last row's diagonal */
+                for (int64_t r = 0; r < rt; r += SR) {
+                    const int64_t last = r + SR - 1 < used ? r + SR - 1 : used - 1;
+                    int64_t vis = base + last / G + 1 - k0;
+                    vis = vis > span ? span : vis;
+                    for (int64_t j = 0; j < vis; j += KB)
+                        score_tile(qs + r * D, D, kp + (k0 + j) / KB * D * KB, s + r * SB + j, SB);
+                }
+                /* per row: the exact softmax over the span's visible keys, as weights in s */
+                for (int64_t r = 0; r < rt; r++) {
+                    int64_t vis = r < used ? base + r / G + 1 - k0 : 0;
+                    vis = vis > span ? span : vis;
+                    nv[r] = vis;
+                    corr[r] = 1.0f;  /* a row that sees nothing of the span keeps its sums */
+                    if (vis <= 0) continue;
+                    float *sr = s + r * SB;
+                    vf m = splat(-1e30f);
+                    for (int64_t c = 0; c < vis; c += VW) {
+                        const vf x = *(vfu *)(sr + c);
+                        m = select(lanes_below(c, vis) & (x > m), x, m);
+                    }
+                    float bm = m[0];
+                    for (int l = 1; l < VW; l++) bm = m[l] > bm ? m[l] : bm;
+                    const float m_new = mx[r] > bm ? mx[r] : bm;
+                    vf tot = splat(0.0f);
+                    for (int64_t c = 0; c < vis; c += VW) {
+                        vf e = exp_v(*(vfu *)(sr + c) - m_new);
+                        e = (vf)((vi)e & lanes_below(c, vis));
+                        *(vfu *)(sr + c) = e;
+                        tot += e;
+                    }
+                    float t = 0.0f;
+                    for (int l = 0; l < VW; l++) t += tot[l];
+                    corr[r] = exp_v(splat(mx[r] - m_new))[0];  /* of the spans before */
+                    sum[r] = sum[r] * corr[r] + t;
+                    mx[r] = m_new;
+                }
+                /* then p.V a row tile at a time, up to its longest row: zero past each row's */
+                for (int64_t r = 0; r < rt; r += SR) {
+                    int64_t n = 0;
+                    for (int w = 0; w < SR; w++) n = nv[r + w] > n ? nv[r + w] : n;
+                    if (n <= 0) continue;
+                    for (int w = 0; w < SR; w++) {
+                        const int64_t from = nv[r + w] <= 0 ? 0 : (nv[r + w] + VW - 1) / VW * VW;
+                        if (from < n) memset(s + (r + w) * SB + from, 0, (n - from) * 4);
+                    }
+                    weigh_tile(s + r * SB, SB, n, vr, D, acc + r * D, corr + r);
+                }
+            }
+            for (int64_t r = 0; r < used; r++) {
+                float *o = out + ((i0 + r / G) * H + h * G + r % G) * D;
+                const float inv = 1.0f / sum[r];
+                for (int64_t d = 0; d < D; d++) o[d] = acc[r * D + d] * inv;
+            }
+        }
+    }
+    free(kp); free(qs); free(s); free(acc); free(mx); free(sum); free(corr); free(nv);
+    free(vr);
+    return 0;
+}
+"""
+
+
+class PrefillKernel:
+    """A loaded library: `__call__` attends one prefill chunk over its keys in the pool."""
+
+    def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.dtype = dtype  # of the queries, the pool and the output
+        fn = library.prefill_attention if dtype == torch.bfloat16 else library.prefill_attention_f32
         fn.restype = ctypes.c_int
         fn.argtypes = (
             [ctypes.c_void_p] * 4
@@ -298,9 +537,10 @@ class PrefillKernel:
     def __call__(
         self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
-        """q [nq, H, D] bf16 -> [nq, H, D] bf16, causal and aligned to the end over the keys at
-        `slots` (int64 [nk], nk >= nq: the cached prefix, then the chunk's own, already written
-        to `k_buf`/`v_buf` [S, KVH, D] bf16). Slots are read unchecked."""
+        """q [nq, H, D] -> [nq, H, D] in the kernel's dtype, causal and aligned to the end over
+        the keys at `slots` (int64 [nk], nk >= nq: the cached prefix, then the chunk's own,
+        already written to `k_buf`/`v_buf` [S, KVH, D], the same dtype). Slots are read
+        unchecked."""
         nq, heads, dim = q.shape
         q = q.contiguous()
         slots = slots.contiguous()
@@ -315,20 +555,25 @@ class PrefillKernel:
 
 
 def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """Whether the kernel serves these tensors: CPU, bfloat16 queries and pool, a contiguous
-    pool, a head size that is a multiple of 64."""
+    """Whether a kernel serves these tensors: CPU, queries and pool both bfloat16 (a head size
+    that is a multiple of 64) or both float32 (a multiple of 16), a contiguous pool."""
+    multiple = {torch.bfloat16: 64, torch.float32: 16}.get(q.dtype)
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.bfloat16
-        and k_buf.dtype == torch.bfloat16
+        and multiple is not None
+        and k_buf.dtype == q.dtype
         and k_buf.is_contiguous()
-        and q.shape[-1] % 64 == 0
+        and q.shape[-1] % multiple == 0
     )
 
 
 @cache
-def load() -> PrefillKernel | None:
-    """The kernel, built on first use; None where the CPU lacks AVX512-BF16 or no build."""
+def load(dtype: torch.dtype = torch.bfloat16) -> PrefillKernel | None:
+    """The kernel for `dtype`, built on first use; None where it cannot be built here (no C
+    compiler, a build error) and, for bfloat16, where the CPU lacks AVX512-BF16."""
+    if dtype == torch.float32:
+        library = c_library.build("prefill_attention_f32", F32_SOURCE)
+        return PrefillKernel(library, dtype) if library is not None else None
     library = c_library.build("prefill_attention", SOURCE)
     if library is None or not library.prefill_attention_available():
         return None

@@ -184,7 +184,7 @@ def test_native_backend_with_the_kernel_matches_the_reference(dtype, prefill, se
 
 def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
     monkeypatch.setattr(native.decode_kernel, "load", lambda dtype=BF16: None)
-    monkeypatch.setattr(native.prefill_kernel, "load", lambda: None)
+    monkeypatch.setattr(native.prefill_kernel, "load", lambda dtype=BF16: None)
     pool, batch, q, k, v = shared_prefix_batch(0, prefill=True)
     out = NativeAttention().forward(q, k, v, 0, batch, pool)
     assert batch.plan["native"].kernel is None
