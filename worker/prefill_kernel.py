@@ -294,7 +294,7 @@ int prefill_attention_available(void) { return 0; }
 # read where they lie in the pool. Spans of SB keys as in the bf16 kernel: the span's scores up
 # to each row tile's diagonal, then per row the exact softmax against the running max (e^x as
 # exp_f32's polynomial on VW lanes), then p.V a row tile at a time. Every sum float32.
-F32_SOURCE = c_library.FLOAT_VECTORS + r"""
+F32_SOURCE = c_library.EXP_REDUCED + c_library.FLOAT_VECTORS + r"""
 #include <stdlib.h>
 #include <string.h>
 #define KB (2 * VW)  /* keys per packed block: a score tile's width */
@@ -305,9 +305,10 @@ static inline vf splat(float x) { return (vf){0} + x; }
 
 static inline vf select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
-/* e^x on VW lanes, exp_f32's polynomial; x <= 0 here (a score less the row's max): below -87
-   it is e^-87. n = x / ln 2 rounded is read from the bits of x / ln 2 + 1.5 * 2^23 (the flags
-   allow reassociation, so not as that sum less 1.5 * 2^23), and 2^n built in exponent bits. */
+/* e^x on VW lanes as exp_f32 (`EXP_REDUCED`); x <= 0 here (a score less the row's max): below
+   -87 it is e^-87. n = x / ln 2 rounded is read from the bits of x / ln 2 + 1.5 * 2^23 (the
+   flags allow reassociation, so not as that sum less 1.5 * 2^23), and 2^n built in exponent
+   bits. */
 static inline vf exp_v(vf x) {
     x = select(x < splat(-87.0f), splat(-87.0f), x);
     const vf magic = splat(12582912.0f);
@@ -315,14 +316,7 @@ static inline vf exp_v(vf x) {
     vi ni = (vi)t - (vi)magic;
     vf n = __builtin_convertvector(ni, vf);
     vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    vf y = p * r * r + r + 1.0f;
-    return y * (vf)((ni + 127) << 23);
+    return EXP_REDUCED(r) * (vf)((ni + 127) << 23);
 }
 
 /* Lane l of the result: l + base < n. */

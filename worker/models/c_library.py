@@ -34,9 +34,20 @@ FLAGS = (
     "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
 )  # fmt: skip
 
+# e^r for |r| <= ln 2 / 2, Cephes expf's polynomial, on a float or on a vector of floats (GCC's
+# vector types take the same arithmetic): the one polynomial of `exp_f32` and the vector exps.
+EXP_REDUCED = r"""
+#ifndef EXP_REDUCED
+#define EXP_REDUCED(r)                                                                      \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r)       \
+         + 4.1665795894e-2f) * (r) + 1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) \
+     + (r) + 1.0f)
+#endif
+"""
+
 # Scalar bfloat16 <-> float32 and exp, for the kernels' sources to start with (plain C that
 # the compiler vectorizes in loops).
-BF16_SCALARS = r"""
+BF16_SCALARS = EXP_REDUCED + r"""
 #include <stdint.h>
 #include <string.h>
 
@@ -62,13 +73,7 @@ static inline float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : (x > 89.0f ? 89.0f : x);
     float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    float y = p * r * r + r + 1.0f;
+    float y = EXP_REDUCED(r);
     float twice = n > 127.0f ? 1.0f : 0.0f;  /* 2^128 is no float: take 2^127, then double */
     int32_t e = ((int32_t)(n - twice) + 127) << 23;
     float s;
