@@ -431,12 +431,12 @@ int prefill_attention_f32(const float *q, const float *kpool, const float *vpool
             const int64_t ni = nq - i0 < qi ? nq - i0 : qi, used = ni * G;
             const int64_t rt = (used + SR - 1) / SR * SR;  /* rows computed: whole tiles */
             /* row r: query i0 + r / G, head h * G + r % G, scaled; padding rows are zero */
-            for (int64_t r = 0; r < rt; r++) {
+            for (int64_t r = 0; r < used; r++) {
                 const float *src = q + ((i0 + r / G) * H + h * G + r % G) * D;
                 for (int64_t d = 0; d < D; d += VW)
-                    *(vf *)(qs + r * D + d) = r < used ? *(const vfu *)(src + d) * scale
-                                                       : splat(0.0f);
+                    *(vf *)(qs + r * D + d) = *(const vfu *)(src + d) * scale;
             }
+            memset(qs + used * D, 0, (size_t)(rt - used) * D * 4);
             for (int64_t r = 0; r < rt; r++) {
                 mx[r] = -1e30f;
                 sum[r] = 0.0f;
