@@ -6,6 +6,7 @@ it is oneDNN's."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,12 +30,15 @@ pytestmark = pytest.mark.skipif(
     not can_pack(torch.empty(1, dtype=torch.float32)), reason="no oneDNN linear here"
 )
 BF16 = pytest.param(torch.bfloat16, marks=needs_bf16)
+# With AMX, oneDNN's bf16 linears over many rows sum in its tiles' order, not pair after pair
+AMX = Path("/proc/cpuinfo").exists() and "amx_bf16" in Path("/proc/cpuinfo").read_text()
 
 
 @needs_bf16
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_gives_f_linear_bits(rows, bias):
+def test_packed_linear_gives_f_linear_bits(monkeypatch, rows, bias):
+    monkeypatch.setattr(pair_gemm, "load", lambda: None)  # oneDNN's packed copy alone
     gen = torch.Generator().manual_seed(rows)
     layer = nn.Linear(96, 200, bias=bias, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -128,6 +132,8 @@ def test_engine_greedy_output_with_the_few_rows_kernel_is_onednns(monkeypatch, p
 
 
 @needs_bf16
+@pytest.mark.skipif(AMX, reason="with AMX oneDNN's prefill sums differ and the kernel never "
+                    "takes prefill (pair_gemm.calibrate); test_pair_gemm checks its rounding")
 @pytest.mark.parametrize("variant", ["dpbf16", "fma"])
 def test_engine_greedy_output_with_either_bf16_kernel_on_every_linear_is_onednns(
     monkeypatch, variant

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import worker.models.few_rows as few_rows
 import worker.models.pair_gemm as pair_gemm
 from worker.models.packed import linear, pack_linears
 
-KERNEL = pair_gemm.load()
-VARIANTS = pair_gemm.variants()
-pytestmark = pytest.mark.skipif(KERNEL is None, reason="no AVX512-BF16 or no C compiler here")
+VARIANTS = pair_gemm.variants()  # as built, whether or not `load` takes one on this core
+KERNEL = VARIANTS.get("dpbf16")
+pytestmark = pytest.mark.skipif(not VARIANTS, reason="no AVX512-BF16 or no C compiler here")
 
 
 def within_one_rounding(out, x, w, b) -> bool:
@@ -79,7 +80,47 @@ def test_the_fma_tiles_sum_as_vdpbf16ps_does(rows):
 
 
 def test_load_picks_a_variant_and_its_row_limit_by_timing():
-    name, prefill = pair_gemm.calibrate(VARIANTS, repeat=3)
-    assert name in VARIANTS and isinstance(prefill, bool)
-    assert KERNEL in VARIANTS.values()
-    assert KERNEL.max_rows in (pair_gemm.MAX_ROWS, pair_gemm.ANY_ROWS)
+    name, rows = pair_gemm.calibrate(VARIANTS, repeat=3)
+    assert name in VARIANTS
+    assert rows in (0, *pair_gemm.CALIBRATION_ROWS, pair_gemm.ANY_ROWS)
+    kernel = pair_gemm.load()
+    assert kernel is None or (
+        kernel.max_rows in (*pair_gemm.CALIBRATION_ROWS, pair_gemm.ANY_ROWS)
+        and any(kernel._fn is v._fn for v in VARIANTS.values())
+    )
+
+
+def fake_timings(monkeypatch, seconds):
+    """Each timing `calibrate` takes (ours or oneDNN's, in the order it takes them) is the next
+    of `seconds`: stands in for a core's speeds, which the test cannot choose."""
+    times = iter(seconds)
+    for module in (pair_gemm, few_rows):  # the kernel's timings and oneDNN's
+        monkeypatch.setattr(module, "median_seconds", lambda fn, repeat: next(times))
+    return times
+
+
+def test_calibration_walks_the_row_counts_until_oneDNN_wins(monkeypatch):
+    # dpbf16 then fma at 16 rows (fma faster); fma at 512 rows against oneDNN (no prefill);
+    # then (ours, oneDNN's) at 1, 2, 4 and 8 rows: the kernel loses from 8 rows on (an AMX core)
+    times = fake_timings(monkeypatch, [2.0, 1.0, 5.0, 4.0, 1, 2, 1, 2, 2, 3, 3, 3])
+    assert pair_gemm.calibrate(VARIANTS) == ("fma", 4)
+    assert next(times, None) is None  # nothing timed past the first loss
+
+
+def test_calibration_gives_every_row_to_a_kernel_that_wins_at_prefill(monkeypatch):
+    times = fake_timings(monkeypatch, [1.0, 2.0, 8.0, 10.0])  # dpbf16 < 0.9 x oneDNN at 512
+    assert pair_gemm.calibrate(VARIANTS) == ("dpbf16", pair_gemm.ANY_ROWS)
+    assert next(times, None) is None
+
+
+@pytest.mark.parametrize("rows", [0, 8])
+def test_linears_take_the_kernel_only_up_to_the_rows_it_wins_at(monkeypatch, rows):
+    # the timing stands in for a core where the kernel beats oneDNN up to 8 rows, or nowhere
+    monkeypatch.setattr(pair_gemm, "calibrate", lambda built: ("fma", rows))
+    pair_gemm.load.cache_clear()
+    try:
+        kernel = pair_gemm.load()
+        assert (kernel is None) if rows == 0 else (kernel.max_rows == rows)
+        assert VARIANTS["fma"].max_rows == pair_gemm.MAX_ROWS  # the build is left as it was
+    finally:
+        pair_gemm.load.cache_clear()

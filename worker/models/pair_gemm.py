@@ -18,8 +18,9 @@ Not every core with AVX512-BF16 issues `vdpbf16ps` at that rate. A second build 
 float32 FMAs, in the same order, to the same sums; from `WIDE_MIN` rows on (prefill chunks) it
 widens each group of 64 outputs' weights once per call into a buffer that stays in L2, and five
 rows at a time take only FMAs against it. `load` times both and oneDNN (`calibrate`)
-and takes the faster, and lets it take prefill chunks too where it beats oneDNN at their size;
-otherwise more rows than `MAX_ROWS` stay on oneDNN.
+and takes the faster up to the most rows it beats oneDNN at (all rows, prefill chunks too,
+where it beats oneDNN at their size); more rows than that stay on oneDNN. On a core with AMX,
+oneDNN's tiles win from ~8 rows on and the kernel keeps the few rows where the stream is all.
 
 Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
@@ -43,9 +44,11 @@ from worker.models.few_rows import (
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # up to this many rows a linear takes this kernel; more go to oneDNN
+MAX_ROWS = 64  # up to this many rows a linear may take this kernel; more go to oneDNN
 ANY_ROWS = 1 << 40  # `max_rows` of a kernel that takes prefill chunks too (`calibrate`)
-DECODE_ROWS, PREFILL_ROWS = 16, 512  # the row counts `calibrate` times
+DECODE_ROWS, PREFILL_ROWS = 16, 512  # the row counts `calibrate` picks the variant and prefill at
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, MAX_ROWS)  # the row counts `calibrate` walks against oneDNN
+CALIBRATION_BYTES = 64 << 20  # of distinct weights that walk streams: more than a core's cache
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
 
 SOURCE = r"""
@@ -334,41 +337,60 @@ def variants() -> dict[str, PairGemm]:
 
 @cache
 def load() -> PairGemm | None:
-    """The faster variant on this core, taking prefill chunks too where it beats oneDNN at
-    their size (`calibrate`); built and timed on first use. None where the CPU lacks
-    AVX512-BF16 or no build."""
+    """The faster variant on this core, taking linears of up to the most rows it beats oneDNN at
+    (`calibrate`); built and timed on first use. None where the CPU lacks AVX512-BF16, no build,
+    or oneDNN wins at one row."""
     built = variants()
     if not built:
         return None
-    name, prefill = calibrate(built)
-    kernel = built[name]
-    kernel.max_rows = ANY_ROWS if prefill else MAX_ROWS
-    logger.info("bf16 linears: %s tiles up to %s rows", name, "any" if prefill else MAX_ROWS)
-    return kernel
+    name, rows = calibrate(built)
+    if rows == 0:
+        logger.info("bf16 linears: oneDNN (the C kernel is slower on this core)")
+        return None
+    logger.info("bf16 linears: %s tiles up to %s rows", name, "any" if rows == ANY_ROWS else rows)
+    return built[name].up_to(rows)
 
 
-def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, bool]:
+def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, int]:
     """(the variant with the least median time over a layer-sized linear of `DECODE_ROWS`
-    rows, whether it also beats oneDNN's packed linear at `PREFILL_ROWS` rows by 10%).
+    rows, the most rows it should take: `ANY_ROWS` where it beats oneDNN's packed linear at
+    `PREFILL_ROWS` rows by 10%, else the most of `CALIBRATION_ROWS` (in order, up to the first
+    it loses) at which it beats oneDNN over weights read from memory, 0 if it loses at one).
 
     Which variant that is depends on the core: `vdpbf16ps` does twice the multiply-adds of a
     float32 FMA per instruction, but not every core issues it as often. On Zen 4 the pair
     kernel ran near the core's bf16 peak (~233 GFLOP/s) and oneDNN about as fast at 512 rows;
     on an Intel Xeon VM with AVX512-BF16 and no AMX, `vdpbf16ps` ran at ~85 GFLOP/s in a
     register-only loop against ~170 for FMAs, and the FMA tiles took 0.7x oneDNN's time at 32
-    rows and 0.65x at 512 (`bench/bench_linears.py --variant`). Timed on one thread, as the
-    kernel runs; ~0.1 s at load."""
+    rows and 0.65x at 512 (`bench/bench_linears.py --variant`). On a Xeon VM with AMX
+    (`amx_bf16`), oneDNN's tiles ran 3072x576 at ~550 GFLOP/s at 512 rows: over SmolLM2's
+    layers from memory the kernel took 0.64-0.72x oneDNN's time at one row, 1.03-1.32x at 8 and
+    2.3-2.9x at 32. Timed on one thread, as the kernel
+    runs; ~1 s at load, ~130 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    dense = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
+    o, k = 1536, 576
+    dense = torch.randn(o, k, generator=gen).to(torch.bfloat16)
     w = pack(dense)
-    onednn = onednn_timer([dense], repeat)
     with one_thread():
-        x = torch.randn(DECODE_ROWS, 576, generator=gen).to(torch.bfloat16)
-        times = {name: median_seconds(lambda k=k: k(x, w, None, 1536), repeat)
-                 for name, k in built.items()}
+        x = torch.randn(DECODE_ROWS, k, generator=gen).to(torch.bfloat16)
+        times = {name: median_seconds(lambda kernel=kernel: kernel(x, w, None, o), repeat)
+                 for name, kernel in built.items()}  # fmt: skip
         name = min(times, key=times.__getitem__)
-        x = torch.randn(PREFILL_ROWS, 576, generator=gen).to(torch.bfloat16)
-        ours = median_seconds(lambda: built[name](x, w, None, 1536), repeat)
-        theirs = onednn(x)
-    return name, ours < 0.9 * theirs
-
+        kernel = built[name]
+        x = torch.randn(PREFILL_ROWS, k, generator=gen).to(torch.bfloat16)
+        if median_seconds(lambda: kernel(x, w, None, o), repeat) < 0.9 * onednn_timer(
+            [dense], repeat
+        )(x):
+            return name, ANY_ROWS
+        count = max(1, CALIBRATION_BYTES // (o * k * 2))
+        many = [torch.randn(o, k, generator=gen).to(torch.bfloat16) for _ in range(count)]
+        packed = [pack(d) for d in many]
+        onednn = onednn_timer(many, repeat)
+        best = 0
+        for rows in CALIBRATION_ROWS:
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            ours = median_seconds(lambda x=x: [kernel(x, p, None, o) for p in packed], repeat)
+            if ours >= onednn(x):
+                break
+            best = rows
+    return name, best
