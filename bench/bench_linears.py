@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--variant", choices=["dpbf16", "fma"], default=None,
+    parser.add_argument("--variant", choices=["dpbf16", "fma", "amx"], default=None,
                         help="bf16: this build of the kernel (default: the one `load` picks)")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -20,8 +20,11 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   across its segments (no gather, mask or merge). One sequence over 1k keys: 11-12 ms of a
   bf16 SmolLM2 step on torch's path, ~3 ms in the kernel.
 - Prefill on CPU over a float32 pool, or a bfloat16 one where the CPU has AVX512-BF16: each
-  chunk goes through `worker.prefill_kernel`, causal over its cached prefix and itself with
-  the keys read from the pool in place (no gather, mask or merge).
+  chunk of up to the most queries at which it beats torch's path on this core
+  (`kernel_queries`, timed at first use) goes through `worker.prefill_kernel`, causal over its
+  cached prefix and itself with the keys read from the pool in place (no gather, mask or
+  merge). With AMX torch's flash attention multiplies bf16 in its tiles and wins from a few
+  dozen queries on; without, the kernel wins at every size measured.
 - Elsewhere, prefill without a cached prefix attends over its own new K/V (`is_causal`), no
   gather.
 - And prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask)
@@ -33,12 +36,18 @@ The engine's default. It gives what the reference `torch` backend gives, with le
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 
 from worker import decode_kernel, prefill_kernel
 from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
+from worker.models.few_rows import median_seconds
+
+# the chunk sizes `kernel_queries` times, each over a cached prefix of CALIBRATION_PREFIX keys
+CALIBRATION_QUERIES, CALIBRATION_PREFIX = (16, 64, 256, 1024), 512
+UNBOUNDED = 1 << 40
 
 
 class NativeAttention(AttentionBackend):
@@ -64,10 +73,10 @@ class NativeAttention(AttentionBackend):
         if plan.decode_rows is not None:
             out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_buf, v_buf, plan)
         same_dtype = k_buf.dtype == q.dtype
-        chunk_kernel = self._prefill_kernel(q, k_buf)
+        chunk_kernel, most = self._prefill_kernel(q, k_buf)
         for start, q_len, prefix_slots, slots in plan.prefills:
             end = start + q_len
-            if chunk_kernel is not None:  # the chunk's keys read from the pool in place
+            if chunk_kernel is not None and q_len <= most:  # the keys read from the pool in place
                 out[start:end] = chunk_kernel(q[start:end], k_buf, v_buf, slots)
                 continue
             out[start:end] = _prefill(
@@ -76,9 +85,14 @@ class NativeAttention(AttentionBackend):
         return out
 
     def _prefill_kernel(self, q: torch.Tensor, k_buf: torch.Tensor):
+        """(the prefill kernel for these tensors or None, the most queries a chunk it takes
+        may have)."""
         if not (self.use_kernel and prefill_kernel.supports(q, k_buf)):
-            return None
-        return prefill_kernel.load(q.dtype)
+            return None, 0
+        kernel = prefill_kernel.load(q.dtype)
+        if kernel is None:
+            return None, 0
+        return kernel, kernel_queries(kernel, q.shape[1], k_buf.shape[1], q.shape[2])
 
     def _gather(
         self, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
@@ -273,6 +287,39 @@ def _shared_prefixes(table: torch.Tensor, kv_lens: list[int]) -> list[tuple[torc
         if length >= MIN_SHARED:
             groups.append((torch.tensor(members, device=table.device), length))
     return groups
+
+
+@cache
+def kernel_queries(kernel, heads: int, kv_heads: int, dim: int, repeat: int = 3) -> int:
+    """The most queries a prefill chunk may have for `kernel` to take it instead of torch's path
+    (`_prefill`) here: of `CALIBRATION_QUERIES` in order, up to the first at which the kernel
+    takes as long or longer over a chunk of that many queries with a cached prefix of
+    `CALIBRATION_PREFIX` keys; `UNBOUNDED` where it never does, 0 where it loses at the first.
+
+    Where it is faster depends on the core. On a 2-core AVX2 EPYC the float32 kernel took
+    0.5-0.6x the torch path's time at 560 and 65 queries; on a Xeon VM with AMX torch's flash
+    attention does bf16 in AMX tiles, and the bf16 kernel took 1.7x its time at 560 queries,
+    2.9x at 2048 and 0.5x at 7 (`bench/bench_prefill_attention.py`, one thread). Timed on the
+    threads the engine runs, once per kernel and head shape (~0.2 s)."""
+    gen = torch.Generator().manual_seed(0)
+    slots = CALIBRATION_PREFIX + max(CALIBRATION_QUERIES)
+    k_buf = torch.randn(slots, kv_heads, dim, generator=gen).to(kernel.dtype)
+    v_buf = torch.randn(slots, kv_heads, dim, generator=gen).to(kernel.dtype)
+    prefix = torch.arange(CALIBRATION_PREFIX)
+    best = 0
+    for nq in CALIBRATION_QUERIES:
+        q = torch.randn(nq, heads, dim, generator=gen).to(kernel.dtype)
+        own = torch.arange(CALIBRATION_PREFIX, CALIBRATION_PREFIX + nq)
+        k, v = k_buf[own], v_buf[own]
+        keys = torch.cat((prefix, own))
+        ours = median_seconds(lambda q=q, keys=keys: kernel(q, k_buf, v_buf, keys), repeat)
+        theirs = median_seconds(
+            lambda q=q, k=k, v=v: _prefill(q, k, v, prefix, k_buf, v_buf, True), repeat
+        )
+        if ours >= theirs:
+            return best
+        best = nq
+    return UNBOUNDED
 
 
 def _prefill(

@@ -28,16 +28,25 @@ def within_one_rounding(out, x, w, b) -> bool:
     return bool(((out.double() - exact).abs() <= step + drift).all())
 
 
-@pytest.mark.parametrize("variant", ["dpbf16", "fma"])
+def variant_or_skip(name: str):
+    if name not in VARIANTS:
+        pytest.skip(f"no {name} build here (AMX: `amx_bf16` and the kernel's permission)")
+    return VARIANTS[name]
+
+
+@pytest.mark.parametrize("variant", ["dpbf16", "fma", "amx"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 37, 64, 515])
-@pytest.mark.parametrize(("out_features", "in_features"), [(200, 96), (64, 2), (130, 1536)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(200, 96), (64, 2), (130, 1536), (70, 40)]
+)  # (64, 2) and (70, 40): inputs past the last 32 (AMX's tile step)
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_linear_rounds_a_float32_sum_once(variant, rows, out_features, in_features, bias):
+    kernel = variant_or_skip(variant)
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-    out = VARIANTS[variant](x, pair_gemm.pack(w), b, out_features)
+    out = kernel(x, pair_gemm.pack(w), b, out_features)
     assert out.shape == (rows, out_features) and out.dtype == torch.bfloat16
     # float32 sums of exact products, rounded once; and mostly the same bits as F.linear
     # (oneDNN sums the same products in the same order)
@@ -79,6 +88,21 @@ def test_the_fma_tiles_sum_as_vdpbf16ps_does(rows):
     assert torch.equal(fma, dpbf16)
 
 
+def test_the_amx_tiles_give_a_row_the_same_sums_in_any_block_of_rows():
+    """A row's sums do not depend on the rows beside it in its block of 16, nor on the zero rows
+    that pad a short block (one row alone takes `one_row`'s order: not compared)."""
+    kernel = variant_or_skip("amx")
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(130, 200, generator=gen).to(torch.bfloat16)
+    x = torch.randn(38, 200, generator=gen).to(torch.bfloat16)
+    packed = pair_gemm.pack(w)
+    together = kernel(x, packed, None, 130)
+    for size in (2, 3, 17):
+        parts = [kernel(x[i : i + size], packed, None, 130) for i in range(0, 36, size)]
+        parts.append(kernel(x[len(parts) * size :], packed, None, 130))
+        assert torch.equal(torch.cat(parts), together)
+
+
 def test_load_picks_a_variant_and_its_row_limit_by_timing():
     name, rows = pair_gemm.calibrate(VARIANTS, repeat=3)
     assert name in VARIANTS
@@ -100,16 +124,20 @@ def fake_timings(monkeypatch, seconds):
 
 
 def test_calibration_walks_the_row_counts_until_oneDNN_wins(monkeypatch):
-    # dpbf16 then fma at 16 rows (fma faster); fma at 512 rows against oneDNN (no prefill);
-    # then (ours, oneDNN's) at 1, 2, 4 and 8 rows: the kernel loses from 8 rows on (an AMX core)
-    times = fake_timings(monkeypatch, [2.0, 1.0, 5.0, 4.0, 1, 2, 1, 2, 2, 3, 3, 3])
-    assert pair_gemm.calibrate(VARIANTS) == ("fma", 4)
+    # each variant at 16 rows (the last fastest); it at 512 rows against oneDNN (no prefill);
+    # then (ours, oneDNN's) at 1, 2, 4 and 8 rows: the kernel loses from 8 rows on
+    names = list(VARIANTS)
+    at16 = [2.0 + len(names) - i for i in range(len(names))]
+    times = fake_timings(monkeypatch, [*at16, 5.0, 4.0, 1, 2, 1, 2, 2, 3, 3, 3])
+    assert pair_gemm.calibrate(VARIANTS) == (names[-1], 4)
     assert next(times, None) is None  # nothing timed past the first loss
 
 
 def test_calibration_gives_every_row_to_a_kernel_that_wins_at_prefill(monkeypatch):
-    times = fake_timings(monkeypatch, [1.0, 2.0, 8.0, 10.0])  # dpbf16 < 0.9 x oneDNN at 512
-    assert pair_gemm.calibrate(VARIANTS) == ("dpbf16", pair_gemm.ANY_ROWS)
+    names = list(VARIANTS)
+    at16 = [1.0 + i for i in range(len(names))]  # the first fastest
+    times = fake_timings(monkeypatch, [*at16, 8.0, 10.0])  # < 0.9 x oneDNN at 512 rows
+    assert pair_gemm.calibrate(VARIANTS) == (names[0], pair_gemm.ANY_ROWS)
     assert next(times, None) is None
 
 

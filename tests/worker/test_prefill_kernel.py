@@ -81,6 +81,8 @@ def mixed_batch(seed: int, dtype=BF16):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_native_backend_takes_the_kernel_for_prefill_chunks(kernel, monkeypatch, seed):
+    # the timing stands in for a core where the kernel beats torch's path at any size
+    monkeypatch.setattr(native, "kernel_queries", lambda *a: native.UNBOUNDED)
     calls = []
     real = type(kernel).__call__
 
@@ -95,6 +97,31 @@ def test_native_backend_takes_the_kernel_for_prefill_chunks(kernel, monkeypatch,
         outs[name] = make_attention(name).forward(q, k, v, 0, batch, pool).double()
     assert sorted(calls) == [45, 70]  # each prefill chunk, once; decodes elsewhere
     torch.testing.assert_close(outs["native"], outs["torch"], atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_chunks_past_the_kernels_calibrated_size_take_torchs_path(kernel, monkeypatch):
+    # the timing stands in for a core with AMX, where torch's flash wins past a few queries
+    monkeypatch.setattr(native, "kernel_queries", lambda *a: 50)
+    calls = []
+    real = type(kernel).__call__
+    spy = lambda self, q, *a: calls.append(q.shape[0]) or real(self, q, *a)  # noqa: E731
+    monkeypatch.setattr(type(kernel), "__call__", spy)
+    pool, batch, q, k, v = mixed_batch(0)
+    out = make_attention("native").forward(q, k, v, 0, batch, pool).double()
+    assert calls == [45]  # the chunk of 70 went to torch's path
+    pool, batch, q, k, v = mixed_batch(0)
+    ref = make_attention("torch").forward(q, k, v, 0, batch, pool).double()
+    torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1.5e-2)
+
+
+def test_calibration_walks_the_chunk_sizes_until_torch_wins(kernel, monkeypatch):
+    # (ours, torch's) seconds at 16 and 64 queries: the kernel wins at 16, loses at 64
+    times = iter([1.0, 2.0, 3.0, 2.0])
+    monkeypatch.setattr(native, "median_seconds", lambda fn, repeat: next(times))
+    assert native.kernel_queries.__wrapped__(kernel, 9, 3, 64) == 16
+    assert next(times, None) is None  # nothing timed past the first loss
+    times = iter([1.0, 2.0] * len(native.CALIBRATION_QUERIES))
+    assert native.kernel_queries.__wrapped__(kernel, 9, 3, 64) == native.UNBOUNDED
 
 
 def test_where_it_does_not_serve_prefill_runs_torchs_kernel(monkeypatch):
@@ -161,6 +188,7 @@ def test_native_backend_takes_the_float32_kernel_for_prefill_chunks(monkeypatch,
     kernel = prefill_kernel.load(torch.float32)
     if kernel is None:
         pytest.skip("no C compiler: prefill runs torch's flash kernel")
+    monkeypatch.setattr(native, "kernel_queries", lambda *a: native.UNBOUNDED)  # as if it won
     calls = []
     real = type(kernel).__call__
 

@@ -40,6 +40,13 @@ def test_top_k_top_p_min_p_cut_the_tail():
     assert set(draws(logits, top_k=1, temperature=1.5)) == {0}
 
 
+def test_greedy_takes_the_first_of_tied_maxima_per_row():
+    """As HF's and vLLM's argmax do: tied top logits resolve to the lowest token id."""
+    rows = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -5.0, -1.0, -9.0]])
+    reqs = [request(temperature=0.0) for _ in range(3)]
+    assert sample(rows, reqs, [], None).token_ids == [1, 0, 0]
+
+
 def test_low_temperature_sharpens():
     logits = [math.log(p) for p in (0.5, 0.3, 0.2)]
     assert draws(logits, temperature=0.2)[0] > draws(logits, temperature=2.0)[0]

@@ -52,6 +52,7 @@ CALIBRATION_BYTES = 64 << 20  # of distinct weights that walk streams: more than
 GROUP = 64  # outputs per group of the packed layout (4 vectors of 16)
 
 SOURCE = r"""
+#define _DEFAULT_SOURCE  /* syscall(), for AMX's permission */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -293,8 +294,137 @@ void pair_linear_fma(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
     free(xf);
 }
 int pair_linear_available(void) { return 1; }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* AMX: a tile multiply (`tdpbf16ps`) takes 16 rows x 32 inputs (A) against 16 input pairs x
+   16 outputs of weights (B) into 16 x 16 float32 sums, products of bf16 pairs added in
+   float32. B's layout is the pair layout's own: 16 outputs' pairs are 64 bytes of a pair's
+   256-byte row of the group, so the weights are read where they lie, 4 KB of a group per step
+   of 32 inputs, prefetched AMX_AHEAD bytes ahead. A block of up to 16 rows takes a group's
+   64 outputs in tiles 0-3; the next block of rows reads the same group again from L2 (a
+   group is 256 bytes per input pair: 72 KB at K = 576). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_K 32        /* inputs per tile step (a 64-byte row of A) */
+#define AMX_AHEAD 4096  /* bytes of a group's weights between a prefetch and its tile load */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) TileConfig;
+
+/* Tiles 0-3: sums [16 rows][16 outputs] of the group's four vectors of outputs; 4: A; 5, 6: B.
+   The configuration is per thread: each call sets it and releases the tiles at the end. */
+static void configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+static inline float bf16_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Sixteen rows (`x`, `ld` elements apart) times one group's weights `wg` over `pairs` input
+   pairs: the sums to c [16][64]. The first AMX_K-multiple of inputs in tiles, the rest (K not a
+   multiple of 32) in scalar products, the odd input's first as in `vdpbf16ps`. */
+static void amx_block(const uint16_t *x, int64_t ld, const uint16_t *wg, int64_t pairs,
+                      float *c, int prefetch) {
+    int64_t steps = 2 * pairs / AMX_K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t *wp = wg + s * (AMX_K / 2) * NB * 32;
+        if (prefetch)
+            for (int l = 0; l < AMX_K / 2 * NB; l++)
+                _mm_prefetch((const char *)wp + AMX_AHEAD + l * 64, _MM_HINT_T0);
+        _tile_loadd(4, x + s * AMX_K, ld * 2);
+        _tile_loadd(5, wp, NB * 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, wp + 32, NB * 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, wp + 64, NB * 64);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, wp + 96, NB * 64);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, c, NB * 64);
+    _tile_stored(1, c + 16, NB * 64);
+    _tile_stored(2, c + 32, NB * 64);
+    _tile_stored(3, c + 48, NB * 64);
+    for (int64_t p = steps * AMX_K / 2; p < pairs; p++) {
+        const uint16_t *wp = wg + p * NB * 32;
+        for (int i = 0; i < 16; i++) {
+            float xo = bf16_f32(x[i * ld + 2 * p + 1]), xe = bf16_f32(x[i * ld + 2 * p]);
+            for (int n = 0; n < 64; n++) {
+                c[i * 64 + n] += bf16_f32(wp[2 * n + 1]) * xo;
+                c[i * 64 + n] += bf16_f32(wp[2 * n]) * xe;
+            }
+        }
+    }
+}
+
+/* `pair_linear` in AMX tiles from two rows on (one row streams faster through `one_row`). The
+   last block of fewer than 16 rows is a zero-padded copy. */
+void pair_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
+                     uint16_t *out, int64_t rows, int64_t k, int64_t o) {
+    int64_t pairs = k / 2, groups = (o + 63) / 64, full = rows / 16 * 16;
+    uint16_t *pad = 0;
+    if (rows == 1) {
+        linear(x, 0, w, bias, out, rows, k, o);
+        return;
+    }
+    if (rows > full) {
+        pad = (uint16_t *)calloc((size_t)(16 * k), sizeof(uint16_t));
+        if (!pad) {  /* no memory: the vdpbf16ps tiles */
+            linear(x, 0, w, bias, out, rows, k, o);
+            return;
+        }
+        memcpy(pad, x + full * k, (size_t)((rows - full) * k) * sizeof(uint16_t));
+    }
+    float c[16 * 64] __attribute__((aligned(64)));
+    configure();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *wg = w + g * pairs * NB * 32;
+        const uint16_t *bg = bias ? bias + g * 64 : 0;
+        int64_t valid = o - g * 64 < 64 ? o - g * 64 : 64;
+        for (int64_t r = 0; r < rows; r += 16) {
+            int64_t n = rows - r < 16 ? rows - r : 16;
+            amx_block(n == 16 ? x + r * k : pad, k, wg, pairs, c, r == 0);
+            for (int64_t i = 0; i < n; i++) {
+                __m512 acc[NB];
+                for (int b = 0; b < NB; b++) acc[b] = _mm512_load_ps(c + i * 64 + b * 16);
+                store(out + (r + i) * o + g * 64, acc, bg, valid);
+            }
+        }
+    }
+    _tile_release();
+    free(pad);
+}
+
+/* Whether this process may use the tiles (Linux grants AMX's state only when asked). */
+int pair_linear_amx_available(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+#else
+int pair_linear_amx_available(void) { return 0; }
+#endif
 #else
 int pair_linear_available(void) { return 0; }
+int pair_linear_amx_available(void) { return 0; }
 #endif
 """
 
@@ -331,8 +461,11 @@ def variants() -> dict[str, PairGemm]:
     library = c_library.build("pair_linear", SOURCE)
     if library is None or not library.pair_linear_available():
         return {}
-    return {"dpbf16": PairGemm(library.pair_linear, MAX_ROWS),
-            "fma": PairGemm(library.pair_linear_fma, MAX_ROWS)}
+    built = {"dpbf16": PairGemm(library.pair_linear, MAX_ROWS),
+             "fma": PairGemm(library.pair_linear_fma, MAX_ROWS)}  # fmt: skip
+    if library.pair_linear_amx_available():
+        built["amx"] = PairGemm(library.pair_linear_amx, MAX_ROWS)
+    return built
 
 
 @cache
