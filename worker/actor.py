@@ -34,6 +34,7 @@ class WorkerActor:
     def __init__(self, config: EngineConfig, worker_id: str) -> None:
         self.worker_id = worker_id
         self.engine = Engine(config, worker_id)
+        self.engine.warm_up()  # before the router sees it: its first client pays nothing extra
         self._stats = self.engine.stats()
         self._info = self._describe()
         self._inbox: deque[tuple[Callable[[], Any], Future]] = deque()

@@ -32,7 +32,7 @@ from worker.request import Request, Status, common_prefix_len
 @dataclass
 class SchedulerConfig:
     max_running: int = 64  # requests holding a row at once
-    prefill_budget: int = 512  # tokens per step, decodes included (chunked prefill)
+    prefill_budget: int = 2048  # tokens per step, decodes included (chunked prefill)
     aging_steps: int = 32  # a request waiting this many steps is admitted oldest-first
     order_limit: int = 256  # beyond this queue length, waiting order is plain arrival order
     defer_shared: int = 32  # defer a request sharing this many uncached tokens with a prefill

@@ -66,6 +66,25 @@ def test_repeat_reports_the_real_reuse(page_size):
     assert hit.prompt_tokens == len(p)
 
 
+@pytest.mark.parametrize("host_kv_tokens", [0, 2048])
+def test_warm_up_leaves_no_trace(reference, host_kv_tokens):
+    """After `warm_up` (what a worker actor runs before it serves) the engine is as new: every
+    slot free in both tiers, no KV event, no measured speed, and requests get what a fresh
+    engine gives them, nothing cached."""
+    engine = make(host_kv_tokens=host_kv_tokens)
+    engine.warm_up()
+    s = engine.stats()
+    assert (s.kv_free, s.kv_evictable, s.kv_host_free) == (s.kv_total, 0, s.kv_host_total)
+    assert (s.prefill_tokens_per_s, s.decode_step_s, engine.num_steps) == (0.0, 0.0, 0)
+    assert engine.take_event_batch() is None
+    snapshot = decode_batch(engine.snapshot_batch())
+    assert [type(e) for e in snapshot.events] == [AllCleared]
+    ps = [list(p) for p in reference]
+    out = run(engine, ps, greedy())
+    assert [o.token_ids for o in out] == [reference[tuple(p)] for p in ps]
+    assert out[0].cached_tokens == 0
+
+
 def test_full_hit_still_recomputes_the_last_token():
     engine = make()
     p = prompts(1, 40)[0]

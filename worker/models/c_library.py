@@ -33,6 +33,11 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
     "-fassociative-math", "-ffp-contract=fast", "-fPIC", "-shared", "-std=c11",
 )  # fmt: skip
+# On x86, loops the compiler vectorizes take 512-bit vectors where the core has AVX-512 (GCC
+# prefers 256 on Intel cores): on a Xeon VM with AMX, SwiGLU's loop over a 566-token chunk
+# took 0.71x the time and RMSNorm's 0.73x, the same bits. Without AVX-512 it changes nothing.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    FLAGS += ("-mprefer-vector-width=512",)
 
 # e^r for |r| <= ln 2 / 2, Cephes expf's polynomial, on a float or on a vector of floats (GCC's
 # vector types take the same arithmetic): the one polynomial of `exp_f32` and the vector exps.
