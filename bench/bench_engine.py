@@ -56,6 +56,9 @@ def ttft(engine: Engine, rid: str, tokens: list[int]) -> tuple[float, int]:
 def bench_ttft(engine: Engine, lengths: list[int], runs: int, vocab: int) -> dict:
     results = {}
     for length in lengths:
+        if length >= engine.max_context:  # a prompt and its one output token must fit
+            print(f"TTFT {length:5d} tokens: skipped, past the context ({engine.max_context})")
+            continue
         cold, warm, cached = [], [], []
         for run in range(runs):
             seed = 1000 * length + run
@@ -247,7 +250,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--prefill-budget", type=int, default=512)
+    parser.add_argument("--prefill-budget", type=int, default=EngineConfig.prefill_budget)
     parser.add_argument("--max-running", type=int, default=64, help="EngineConfig.max_running")
     parser.add_argument("--kv-tokens", type=int, default=65536, help="KV pool slots")
     parser.add_argument("--attention", default="auto", help="attention backend")
