@@ -56,7 +56,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
     max_running: int = 64
     # tokens per step, decodes included (chunked prefill); vLLM 0.32's OpenAI server on CPU
-    # takes 2048. A cold SmolLM2 prompt of 566 tokens in one chunk: 0.80-0.87x its time in two
+    # takes 2048. A cold SmolLM2 prompt of 566 tokens in one chunk: 0.77-0.87x its time in two
     # of 512 and 54 (bf16, a Xeon VM with AMX; 0.98x on an AVX2 EPYC)
     prefill_budget: int = 2048
     max_context: int | None = None  # None: the model's

@@ -17,10 +17,13 @@ Not every core with AVX512-BF16 issues `vdpbf16ps` at that rate. A second build 
 (`pair_linear_fma`) widens each weight pair to float32 once per tile of rows and multiplies with
 float32 FMAs, in the same order, to the same sums; from `WIDE_MIN` rows on (prefill chunks) it
 widens each group of 64 outputs' weights once per call into a buffer that stays in L2, and five
-rows at a time take only FMAs against it. `load` times both and oneDNN (`calibrate`)
-and takes the faster up to the most rows it beats oneDNN at (all rows, prefill chunks too,
-where it beats oneDNN at their size); more rows than that stay on oneDNN. On a core with AMX,
-oneDNN's tiles win from ~8 rows on and the kernel keeps the few rows where the stream is all.
+rows at a time take only FMAs against it. Where the CPU has AMX (and Linux grants the
+process its tile state) a third build (`pair_linear_amx`) multiplies 16 rows at a time in AMX
+tiles, the pair layout being the layout of AMX's weight tile. `load` times the builds and
+oneDNN (`calibrate`) and takes the fastest up to the most rows it beats oneDNN at (all rows,
+prefill chunks too, where it beats oneDNN at their size); more rows than that stay on oneDNN.
+On a core with AMX, oneDNN's tiles beat the vdpbf16ps and FMA builds from ~8 rows on; the AMX
+build beats oneDNN up to 32 rows, streaming the weights faster.
 
 Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
