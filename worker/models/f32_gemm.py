@@ -28,13 +28,7 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import (
-    FewRowsLinear,
-    median_seconds,
-    one_thread,
-    onednn_timer,
-    output_groups,
-)
+from worker.models.few_rows import FewRowsLinear, output_groups, rows_won
 
 logger = logging.getLogger(__name__)
 
@@ -237,17 +231,5 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     outputs, blocks of 8 rows) 1.81-2.01x at 1 and 8 rows (`bench/bench_linears.py --dtype
     float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    o, k = 1536, 576
-    count = max(1, CALIBRATION_BYTES // (o * k * 4))
-    dense = [torch.randn(o, k, generator=gen) for _ in range(count)]
-    packed = [kernel.pack(w) for w in dense]
-    onednn = onednn_timer(dense, repeat)
-    best = 0
-    with one_thread():
-        for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, k, generator=gen)
-            ours = median_seconds(lambda x=x: [kernel(x, w, None, o) for w in packed], repeat)
-            if ours >= onednn(x):
-                break
-            best = rows
-    return best
+    return rows_won(kernel, kernel.pack, torch.float32, CALIBRATION_ROWS, CALIBRATION_BYTES,
+                    repeat, gen)  # fmt: skip

@@ -89,3 +89,32 @@ def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Callable[[torc
     return lambda x: median_seconds(
         lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
         repeat)
+
+
+def rows_won(
+    kernel: FewRowsLinear,
+    pack: Callable[[torch.Tensor], torch.Tensor],
+    dtype: torch.dtype,
+    rows: Sequence[int],
+    memory_bytes: int,
+    repeat: int,
+    gen: torch.Generator,
+) -> int:
+    """The most of `rows` (in order, up to the first at which it loses) at which `kernel` takes
+    less median time than oneDNN's packed linear, on one thread, over `memory_bytes` of distinct
+    layer-sized (1536x576) `dtype` weights, so that they come from memory as in a decode step; 0
+    where it loses at the first. `pack` puts a weight in the kernel's layout."""
+    o, k = 1536, 576
+    count = max(1, memory_bytes // (o * k * dtype.itemsize))
+    dense = [torch.randn(o, k, generator=gen).to(dtype) for _ in range(count)]
+    packed = [pack(w) for w in dense]
+    onednn = onednn_timer(dense, repeat)
+    best = 0
+    with one_thread():
+        for n in rows:
+            x = torch.randn(n, k, generator=gen).to(dtype)
+            ours = median_seconds(lambda x=x: [kernel(x, w, None, o) for w in packed], repeat)
+            if ours >= onednn(x):
+                break
+            best = n
+    return best

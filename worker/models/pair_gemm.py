@@ -43,6 +43,7 @@ from worker.models.few_rows import (
     one_thread,
     onednn_timer,
     output_groups,
+    rows_won,
 )
 
 logger = logging.getLogger(__name__)
@@ -514,19 +515,8 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, int]:
         name = min(times, key=times.__getitem__)
         kernel = built[name]
         x = torch.randn(PREFILL_ROWS, k, generator=gen).to(torch.bfloat16)
-        if median_seconds(lambda: kernel(x, w, None, o), repeat) < 0.9 * onednn_timer(
-            [dense], repeat
-        )(x):
+        ours = median_seconds(lambda: kernel(x, w, None, o), repeat)
+        if ours < 0.9 * onednn_timer([dense], repeat)(x):
             return name, ANY_ROWS
-        count = max(1, CALIBRATION_BYTES // (o * k * 2))
-        many = [torch.randn(o, k, generator=gen).to(torch.bfloat16) for _ in range(count)]
-        packed = [pack(d) for d in many]
-        onednn = onednn_timer(many, repeat)
-        best = 0
-        for rows in CALIBRATION_ROWS:
-            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-            ours = median_seconds(lambda x=x: [kernel(x, p, None, o) for p in packed], repeat)
-            if ours >= onednn(x):
-                break
-            best = rows
-    return name, best
+    rows = rows_won(kernel, pack, torch.bfloat16, CALIBRATION_ROWS, CALIBRATION_BYTES, repeat, gen)
+    return name, rows
