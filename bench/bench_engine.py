@@ -179,7 +179,7 @@ def decode_step(
     shared system prompt; with `profile`, then where 5 more steps' time went."""
     system = random_prompt(1024, 99, vocab)
     # enough tokens that every request still decodes through the profiled steps too
-    sp = SamplingParams(max_tokens=steps + 4 + 5 * profile, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=steps + 4 + 10 * profile, temperature=0.0, ignore_eos=True)
     for i in range(n):
         prompt = system + random_prompt(64, 10_000 + i, vocab)
         engine.add_request(GenerateRequest(f"{tag}-{i}", prompt, sp))
@@ -202,7 +202,11 @@ def decode_step(
 
 def profile_steps(engine: Engine, n: int, steps: int) -> None:
     """Torch's profiler over `steps` decode steps: the device's kernel time against the wall
-    (the rest is launch gaps and host work), and the ops that took the most device time."""
+    (the rest is launch gaps and host work), and the ops that took the most device time; then
+    Python's profiler over `steps` more: the host functions that took the most time."""
+    import cProfile
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -221,6 +225,13 @@ def profile_steps(engine: Engine, n: int, steps: int) -> None:
           f"{max(0.0, wall - busy) * 1e3:.2f} ms", flush=True)
     sort = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=12), flush=True)
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        engine.step()
+    host.disable()
+    print(f"  host profile, {n} concurrent, {steps} steps (cProfile, by own time):", flush=True)
+    pstats.Stats(host).sort_stats("tottime").print_stats(14)
 
 
 def bench_decode_steps(engine: Engine, args: argparse.Namespace, vocab: int) -> dict:
@@ -297,6 +308,10 @@ def main() -> None:
     if engine.runner.graphs is not None and engine.runner.graphs.capture:
         g = engine.runner.graphs
         print(f"captured {len(g.sizes)} decode graphs (batch 1-{g.max_batch}) in "
+              f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
+    if engine.runner.chunk_graphs is not None and engine.runner.chunk_graphs.capture:
+        g = engine.runner.chunk_graphs
+        print(f"captured {len(g.sizes)} chunk graphs (2-{g.sizes[-1]} tokens) in "
               f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
     ttft(engine, "warmup", random_prompt(64, 0, vocab))
     if args.decode_steps:
