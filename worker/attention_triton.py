@@ -8,7 +8,7 @@ time, reading them from its row of a slot table (the engine's request-to-slot ta
 the rows a batch selected from it) and gathering K and V rows straight from the pool by slot
 id (page size 1 in the kernel's eyes, so any radix-cache page size works), with an online
 softmax. Every length and row is read on the device, so a decode batch's launches can be
-captured once into a CUDA graph and replayed with new contents (`decode_graph_plan`,
+captured once into a CUDA graph and replayed with new contents (`graph_plan`,
 `worker.cuda_graphs`). The causal mask is aligned
 to the end: query `i` of a sequence with `q_len` new tokens and `kv_len` in all sits at
 position `kv_len - q_len + i`.
@@ -33,7 +33,10 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     raise ImportError("the triton attention backend needs a CUDA device")
 
 
-@triton.jit
+# The slot table's row stride is the full table's in a captured pass and the batch's longest
+# sequence in an eager one: not specialized on, so both run one build of the kernel (an eager
+# prompt after graphs-only traffic would otherwise wait for a fresh build).
+@triton.jit(do_not_specialize=["table_stride"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr,
     q_indptr, kv_lens, table_rows, table, table_stride,
@@ -108,9 +111,10 @@ class TritonAttention(AttentionBackend):
     def __init__(self, block_m: int = 32, block_n: int = 64) -> None:
         self.block_m, self.block_n = block_m, block_n
 
-    def decode_graph_plan(self, q_indptr, kv_lens, rows, table) -> TritonPlan:
-        """A decode batch's plan over tensors the caller keeps and refills (one query each)."""
-        return TritonPlan(q_indptr, kv_lens, rows, table, 1)
+    def graph_plan(self, q_indptr, kv_lens, rows, table, max_q_len: int) -> TritonPlan:
+        """A captured pass's plan over tensors the caller keeps and refills, its launch grid
+        sized for `max_q_len` queries a sequence (1 for a decode batch)."""
+        return TritonPlan(q_indptr, kv_lens, rows, table, max_q_len)
 
     def forward(self, q, k, v, layer, batch, kv_pool: KVPool):
         kv_pool.set_kv(layer, batch.slot_mapping, k, v)

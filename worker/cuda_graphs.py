@@ -14,11 +14,21 @@ them, pads the batch to the next captured size and replays. Padding rows decode 
 position 0 over one key and write their K/V into the pool's pad slot (`KVPool.pad_slot`),
 which no allocator hands out, so they touch no one's KV.
 
-Only a backend whose decode plan reads every length and row on the device can be captured
-(`decode_graph_plan`; today `triton`). Everything else runs eagerly, as before: prefill chunks
-and mixed batches, a batch above the largest graph, another backend, a capture that failed.
+`ChunkGraphs` does the same for a pass over one sequence's chunk of new tokens that samples its
+last one: a prompt, or the part of it past a cached prefix, when it is alone in its step. Such a
+pass is launch-bound too (the 1B shape: ~650 launches, ~3 ms of kernels for 100 tokens over a
+2k-token cached prefix, in a 16-20 ms eager pass), which made a cache hit's TTFT on a GPU ~0.8x a
+cold prompt's. It pads the chunk to the next captured length; the padding tokens come after the
+real ones, so the causal mask hides them from every real query, and their K/V goes to the pad
+slot.
 
-`capture=False` runs the same passes over the same padded buffers without recording a graph:
+Only a backend whose plan reads every length and row on the device can be captured
+(`graph_plan`; today `triton`). Everything else runs eagerly, as before: mixed batches and
+chunks of several sequences, a batch or chunk above the largest graph, another backend, a
+capture that failed.
+
+`capture=False` runs the same passes over the same padded buffers without recording a graph
+(both classes):
 how the padding and the in-place plan are tested on a machine with no GPU (the Triton kernel in
 its CPU interpreter).
 """
@@ -38,6 +48,8 @@ from worker.attention import AttentionBatch
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
+# a captured size's replay, and the output buffer it refills (None: the replay returns it)
+Pass = tuple[Callable[[], torch.Tensor | None], torch.Tensor | None]
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -81,7 +93,7 @@ class DecodeGraphs:
         self.replays = 0  # decode passes run through here
         self.capture_s, self.capture_bytes = 0.0, 0  # what capturing took (GPU)
         # batch size -> the replay (a graph's, or the eager pass) and its logits [size, vocab]
-        self.passes: dict[int, tuple[Callable[[], torch.Tensor | None], torch.Tensor | None]] = {}
+        self.passes: dict[int, Pass] = {}
         if capture:
             self._capture_all()
         else:
@@ -90,7 +102,7 @@ class DecodeGraphs:
     @staticmethod
     def supported(model: CausalLM) -> bool:
         """Whether `model`'s attention backend can be captured."""
-        return hasattr(model.backend, "decode_graph_plan")
+        return hasattr(model.backend, "graph_plan")
 
     def can_run(self, num_seqs: int, num_tokens: int) -> bool:
         """A decode-only batch (one token per sequence) of at most `max_batch` sequences."""
@@ -130,8 +142,8 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         """The decode pass of the first `size` rows of the buffers (what a graph records)."""
         slot_mapping = self.slot_mapping[:size]
-        plan = self.model.backend.decode_graph_plan(
-            self.q_indptr[: size + 1], self.kv_lens[:size], self.rows[:size], self.slot_table
+        plan = self.model.backend.graph_plan(
+            self.q_indptr[: size + 1], self.kv_lens[:size], self.rows[:size], self.slot_table, 1
         )
         batch = AttentionBatch([1] * size, [1] * size, slot_mapping, slot_table=self.slot_table)
         batch.plan[self.model.backend.name] = plan
@@ -140,25 +152,143 @@ class DecodeGraphs:
         )
 
     def _capture_all(self) -> None:
-        """One graph per size, largest first so the smaller ones reuse its memory pool."""
-        started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.slot_table.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: Triton compiles, the allocator settles
-            for size in (self.sizes[-1], self.sizes[0]):
-                self._forward(size)
-        torch.cuda.current_stream().wait_stream(stream)
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self.passes[size] = (graph.replay, logits)
-        torch.cuda.synchronize()
-        self.capture_s = time.perf_counter() - started
-        self.capture_bytes = torch.cuda.memory_reserved() - reserved
+        self.passes, self.capture_s, self.capture_bytes = capture_passes(
+            self.sizes, self._forward, self.slot_table.device
+        )
         logger.info("captured %d decode graphs (batch 1-%d) in %.1f s, %.0f MiB", len(self.sizes),
                     self.max_batch, self.capture_s, self.capture_bytes / 2**20)
+
+
+def chunk_graph_sizes(max_tokens: int) -> list[int]:
+    """The captured chunk lengths up to `max_tokens` (none under 16): powers of two from 16 to
+    512, then 768, 1024, 1536 and 2048. A chunk pads to the next: under half of a graph's
+    tokens are padding up to 512, under a third beyond."""
+    return [s for s in (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048) if s <= max_tokens]
+
+
+class ChunkGraphs:
+    """CUDA graphs of a pass over one sequence's chunk of 2 to `max_tokens` (at most 2048) new
+    tokens that samples its last one, the sequence's slots a row of `slot_table` (the device's
+    copy of the request-to-slot table), for `model` over `kv_pool` (which has a pad slot).
+
+    A chunk of t tokens over a prefix of p pads to the captured length T >= t: the kernel sees
+    one sequence of T new tokens and p + T keys, so query i < t sits at position p + i and sees
+    keys up to it alone; the padding queries read table entries past p + t (any valid slot) and
+    their outputs are dropped. Padding tokens are token 0 at position 0, K/V into the pad slot.
+    A chunk fits only where p + T is within the table's width."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        slot_table: torch.Tensor,
+        max_tokens: int,
+        capture: bool = True,
+    ) -> None:
+        if kv_pool.pad_slot is None:
+            raise ValueError("chunk graphs need a KV pool with a pad slot")
+        self.sizes = chunk_graph_sizes(min(max_tokens, slot_table.shape[1]))
+        if not self.sizes:
+            raise ValueError(f"no chunk graph fits {max_tokens} tokens")
+        self.model, self.kv_pool, self.slot_table = model, kv_pool, slot_table
+        dev, n = slot_table.device, self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), kv_pool.pad_slot, dtype=torch.int64, device=dev)
+        self.kv_len = torch.ones(1, dtype=torch.int32, device=dev)  # p + T
+        self.row = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.last = torch.zeros(1, dtype=torch.int64, device=dev)  # t - 1: the row to sample
+        self.q_indptr = {
+            size: torch.tensor([0, size], dtype=torch.int32, device=dev) for size in self.sizes
+        }
+        self.capture = capture
+        self.replays = 0
+        self.capture_s, self.capture_bytes = 0.0, 0
+        self.passes: dict[int, Pass] = {}
+        if capture:
+            self.passes, self.capture_s, self.capture_bytes = capture_passes(
+                self.sizes, self._forward, dev
+            )
+            logger.info("captured %d chunk graphs (2-%d tokens) in %.1f s, %.0f MiB",
+                        len(self.sizes), n, self.capture_s, self.capture_bytes / 2**20)
+        else:
+            self.passes = {size: (partial(self._forward, size), None) for size in self.sizes}
+
+    def can_run(self, num_seqs: int, num_tokens: int, kv_len: int) -> bool:
+        """One sequence's chunk of 2 to the largest graph's tokens, ending at `kv_len`, whose
+        padded keys stay within the slot table's row."""
+        if num_seqs != 1 or not 1 < num_tokens <= self.sizes[-1]:
+            return False
+        size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        return kv_len - num_tokens + size <= self.slot_table.shape[1]
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_lens: list[int],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits [1, vocab] of the chunk's last token (`can_run`); the arguments are
+        `DecodeGraphs.run`'s, for one sequence."""
+        t = input_ids.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, t)]
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
+        self.row.copy_(rows, non_blocking=True)
+        if t < size:
+            self.input_ids[t:size].zero_()
+            self.positions[t:size].zero_()
+            self.slot_mapping[t:size].fill_(self.kv_pool.pad_slot)
+        self.kv_len.fill_(kv_lens[0] - t + size)
+        self.last.fill_(t - 1)
+        replay, logits = self.passes[size]
+        self.replays += 1
+        out = replay()
+        if logits is None:
+            logits = out
+        return logits.clone()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The pass over the first `size` tokens of the buffers (what a graph records)."""
+        plan = self.model.backend.graph_plan(
+            self.q_indptr[size], self.kv_len, self.row, self.slot_table, size
+        )
+        slot_mapping = self.slot_mapping[:size]
+        batch = AttentionBatch([size], [size], slot_mapping, slot_table=self.slot_table)
+        batch.plan[self.model.backend.name] = plan
+        return self.model.forward(
+            self.input_ids[:size], self.positions[:size], batch, self.kv_pool, self.last
+        )
+
+
+def capture_passes(
+    sizes: list[int], forward: Callable[[int], torch.Tensor], device: torch.device
+) -> tuple[dict[int, Pass], float, int]:
+    """A graph of `forward(size)` for each of `sizes`, largest first so the smaller reuse its
+    memory pool: each size's replay and output buffer, the seconds it took and the device
+    memory it reserved."""
+    started, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    # warm-up, every size once: Triton (the attention kernel, and torch.compile's kernels when
+    # the layers are compiled) builds a kernel for each new shape or alignment it meets, and
+    # CUDA refuses the module load a build ends with inside a capture
+    with torch.cuda.stream(stream):
+        for size in reversed(sizes):
+            forward(size)
+    torch.cuda.current_stream().wait_stream(stream)
+    passes: dict[int, Pass] = {}
+    for size in reversed(sizes):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(size)
+        passes[size] = (graph.replay, out)
+    torch.cuda.synchronize()
+    return passes, time.perf_counter() - started, torch.cuda.memory_reserved() - reserved
 
 
 def make_decode_graphs(
@@ -166,16 +296,28 @@ def make_decode_graphs(
 ) -> DecodeGraphs | None:
     """The engine's decode graphs on a CUDA device, or None where they cannot be had (another
     device or backend, or a capture that failed: logged, and the engine runs eagerly)."""
+    return _on_cuda(DecodeGraphs, "the decode pass", model, kv_pool, slot_table, max_batch)
+
+
+def make_chunk_graphs(
+    model: CausalLM, kv_pool: KVPool, slot_table: torch.Tensor, max_tokens: int
+) -> ChunkGraphs | None:
+    """The engine's graphs of one sequence's sampled chunk (`ChunkGraphs`), on the same terms
+    as `make_decode_graphs`."""
+    return _on_cuda(ChunkGraphs, "prompt chunks", model, kv_pool, slot_table, max_tokens)
+
+
+def _on_cuda(cls: type, what: str, model: CausalLM, kv_pool: KVPool, slot_table: torch.Tensor,
+             limit: int):  # fmt: skip
     if slot_table.device.type != "cuda" or kv_pool.pad_slot is None:
         return None
     if not DecodeGraphs.supported(model):
-        logger.info("attention backend %s has no decode graphs: decode runs eagerly",
-                    model.backend.name)
+        logger.info("attention backend %s has no CUDA graphs: %s run eagerly", model.backend.name,
+                    what)
         return None
     try:
-        return DecodeGraphs(model, kv_pool, slot_table, max_batch)
+        return cls(model, kv_pool, slot_table, limit)
     except Exception as exc:  # noqa: BLE001 - any capture failure leaves the engine eager
-        logger.warning("capturing CUDA graphs of the decode pass failed, running it eagerly: "
-                       "%s", exc)
+        logger.warning("capturing CUDA graphs of %s failed, running them eagerly: %s", what, exc)
         torch.cuda.synchronize()
         return None

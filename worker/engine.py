@@ -77,7 +77,9 @@ class EngineConfig:
     # default: on a CPU the scheduling is a few % of a step (docs/engine.md)
     overlap: bool = False
     # CUDA: replay decode passes from CUDA graphs captured at start, one per padded batch size
-    # up to max_running (worker.cuda_graphs; attention backends that allow it). Ignored on CPU
+    # up to max_running, and the pass of one sequence's sampled chunk, one per padded length up
+    # to min(prefill_budget, 2048) (worker.cuda_graphs; attention backends that allow it).
+    # Ignored on CPU
     cuda_graphs: bool = True
 
     def validate(self) -> None:
@@ -141,8 +143,8 @@ class Engine:
             )
         rows = ReqToTokenPool(config.max_running, self.max_context + config.page_size, self.device)
         self.runner.use_rows(rows)
-        if config.cuda_graphs:  # on a CUDA device only (`make_decode_graphs`)
-            self.runner.enable_cuda_graphs(config.max_running)
+        if config.cuda_graphs:  # on a CUDA device only (`worker.cuda_graphs`)
+            self.runner.enable_cuda_graphs(config.max_running, config.prefill_budget)
         self.sessions = SessionTable()
         self.memory = KVMemory(allocator, radix, rows, self.sessions)
         self.scheduler = Scheduler(

@@ -4,8 +4,8 @@
 (`AttentionBatch`, the requests' slots given by their rows of the request-to-slot table), and
 returns the logits of the requests whose chunk reaches the end of their
 tokens (those sample a next token); requests part-way through a chunked prefill get none.
-On a CUDA device a decode-only batch replays a CUDA graph instead (`worker.cuda_graphs`,
-after `enable_cuda_graphs`).
+On a CUDA device a decode-only batch, and one sequence's chunk that samples, replay a CUDA graph
+instead (`worker.cuda_graphs`, after `enable_cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from worker.attention import AttentionBatch
-from worker.cuda_graphs import DecodeGraphs, make_decode_graphs
+from worker.cuda_graphs import ChunkGraphs, DecodeGraphs, make_chunk_graphs, make_decode_graphs
 from worker.models import load_model
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
@@ -38,6 +38,7 @@ class ModelRunner:
         self.config = self.model.config
         self.kv_pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self.chunk_graphs: ChunkGraphs | None = None
         self.rows: ReqToTokenPool | None = None  # `use_rows`
 
     def bytes_per_slot(self) -> int:
@@ -55,12 +56,13 @@ class ModelRunner:
         """The engine's request-to-slot table, whose rows give each pass its slots."""
         self.rows = rows
 
-    def enable_cuda_graphs(self, max_batch: int) -> bool:
-        """Capture the decode pass for batches of up to `max_batch` (after `allocate_kv` and
-        `use_rows`); whether it was (a CUDA device and a backend that can be captured)."""
-        self.graphs = make_decode_graphs(
-            self.model, self.kv_pool, self.rows.device_table, max_batch
-        )
+    def enable_cuda_graphs(self, max_batch: int, max_chunk: int) -> bool:
+        """Capture the decode pass for batches of up to `max_batch`, and one sequence's chunk
+        of up to `max_chunk` tokens (after `allocate_kv` and `use_rows`); whether the decode
+        pass was (a CUDA device and a backend that can be captured)."""
+        table = self.rows.device_table
+        self.chunk_graphs = make_chunk_graphs(self.model, self.kv_pool, table, max_chunk)
+        self.graphs = make_decode_graphs(self.model, self.kv_pool, table, max_batch)
         return self.graphs is not None
 
     def default_kv_tokens(self, max_tokens: int) -> int:
@@ -84,8 +86,8 @@ class ModelRunner:
         writes = inputs.table_writes
         if writes is not None:
             self.rows.device_table[writes[0], writes[1]] = writes[2]
-        if inputs.graphed:
-            return self.graphs.run(
+        if inputs.graph is not None:
+            return inputs.graph.run(
                 inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.kv_lens,
                 inputs.rows,
             )  # fmt: skip
@@ -138,7 +140,12 @@ class ModelRunner:
             token_rows = rows_t.repeat_interleave(torch.tensor(q_lens))
         parts = [torch.tensor(ids, dtype=torch.int64), positions_t, rows_t,
                  host[token_rows, positions_t]]  # fmt: skip
-        graphed = self.graphs is not None and self.graphs.can_run(len(rows), len(ids))
+        graph: DecodeGraphs | ChunkGraphs | None = None
+        if self.graphs is not None and self.graphs.can_run(len(rows), len(ids)):
+            graph = self.graphs
+        elif (self.chunk_graphs is not None and len(sampled) == 1
+              and self.chunk_graphs.can_run(len(rows), len(ids), kv_lens[0])):  # fmt: skip
+            graph = self.chunk_graphs
         mirrored = self.rows.mirrored
         if not mirrored:  # a snapshot of its rows (a device's copy is read in `run`)
             parts.append(host[:, : max(kv_lens)].index_select(0, rows_t))
@@ -166,7 +173,7 @@ class ModelRunner:
             parts[-1] if writes is not None else None,
             shipped,
             q_lens,
-            graphed,
+            graph,
         )
 
 
@@ -183,4 +190,4 @@ class PassInputs(NamedTuple):
     table_writes: torch.Tensor | None  # [3, N] slot-table entries to apply on the device first
     writes_shipped: int  # how many logged table writes those are (`ReqToTokenPool`)
     q_lens: list[int]  # each sequence's new tokens
-    graphed: bool  # a decode batch that a CUDA graph replays
+    graph: DecodeGraphs | ChunkGraphs | None  # the CUDA graphs that replay this pass

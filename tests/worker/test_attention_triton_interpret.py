@@ -57,9 +57,9 @@ CHECK = textwrap.dedent(
     big = torch.full((20, table.shape[1]), 3)
     picked = torch.tensor([4, 17, 0, 9], dtype=torch.int32)
     big[picked.long()] = table[decode]
-    plan = triton.decode_graph_plan(
+    plan = triton.graph_plan(
         torch.arange(len(decode) + 1, dtype=torch.int32),
-        torch.tensor([kv_lens[i] for i in decode], dtype=torch.int32), picked, big,
+        torch.tensor([kv_lens[i] for i in decode], dtype=torch.int32), picked, big, 1,
     )
     batch = AttentionBatch([1] * len(decode), [1] * len(decode), slot_mapping[tokens],
                            slot_table=big)

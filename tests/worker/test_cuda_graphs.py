@@ -47,15 +47,18 @@ CPU_CHECK = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, sys.argv[1])
-    from engine_kit import assert_idle_clean, make
+    from engine_kit import assert_idle_clean, make, prompt
     from test_cuda_graphs import greedy_run, prompts_of
     from mem_cache.kv_pool import ReqToTokenPool
-    from worker.cuda_graphs import DecodeGraphs
+    from worker.cuda_graphs import ChunkGraphs, DecodeGraphs
 
     page_size, max_batch, overlap = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
     # 7 prompts: decode batches of 7 and fewer as requests finish at different lengths
     prompts = prompts_of([5, 17, 3, 30, 9, 2, 12], seed=40)
-    ref = greedy_run(make(attention="torch", page_size=page_size), prompts, "r")
+    # run alone: two over a cached prompt (chunks of 20 and 50 tokens, padded to 32 and 64),
+    # one past the largest chunk graph (64 tokens), run eagerly
+    longer = [prompts[3] + prompt(20, 90), prompts[1] + prompt(50, 91), prompt(70, 92)]
+    ref = greedy_run(make(attention="torch", page_size=page_size), prompts + longer, "r")
     engine = make(attention="triton", page_size=page_size, max_running=max_batch + 2,
                   overlap=overlap)
     # the slot table with a copy kept current from its log of writes, as on a GPU
@@ -64,10 +67,14 @@ CPU_CHECK = textwrap.dedent(
     engine.runner.use_rows(rows)
     graphs = engine.runner.graphs = DecodeGraphs(
         engine.model, engine.kv_pool, rows.device_table, max_batch, capture=False)
+    chunks = engine.runner.chunk_graphs = ChunkGraphs(
+        engine.model, engine.kv_pool, rows.device_table, 64, capture=False)
     first = greedy_run(engine, prompts, "a")
     again = greedy_run(engine, prompts, "b")  # over the prefixes it cached
+    alone = [greedy_run(engine, [p], f"c{i}")[0] for i, p in enumerate(prompts + longer)]
     assert_idle_clean(engine)
-    print(json.dumps({"same": first == ref and again == ref, "replays": graphs.replays}))
+    same = first == ref[:7] and again == ref[:7] and alone == ref
+    print(json.dumps({"same": same, "replays": graphs.replays, "chunks": chunks.replays}))
     """
 )
 
@@ -83,13 +90,14 @@ def test_padded_decode_buffers_give_the_greedy_output_of_the_reference(
     current from its log of writes: batches padded up to 8 (or, above a
     largest graph of 4, run the plain way) give the torch reference's greedy tokens, stepping
     synchronously and overlapped, also when
-    run again over the prefixes the first run cached (padding rows wrote only the pad slot),
-    and the engine ends idle and clean."""
+    run again over the prefixes the first run cached (padding rows wrote only the pad slot);
+    so do prompts run alone through the chunk graphs' buffers, padded to 16, 32 and 64 tokens,
+    with and without a cached prefix; and the engine ends idle and clean."""
     here = str(Path(__file__).parent)
     out = run_interpreted(CPU_CHECK, here, str(page_size), str(max_batch), str(int(overlap)))
     result = json.loads(out.strip().splitlines()[-1])
     assert result["same"]
-    assert result["replays"] > 0
+    assert result["replays"] > 0 and result["chunks"] > 0
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -111,6 +119,44 @@ def test_cuda_graph_decode_gives_the_eager_greedy_output(page_size, overlap, dty
     assert greedy_run(graphs, prompts, "g") == want
     assert greedy_run(graphs, prompts, "h") == want  # again, over its cached prefixes
     assert graphs.runner.graphs.replays > 0
+    assert_idle_clean(graphs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_layers_are_captured_and_give_the_eager_greedy_output():
+    """torch.compile's kernels inside the graphs: every graph size is built before any capture
+    (a kernel built during one is refused by CUDA, which had left the compiled layers eager
+    for good and the engine without graphs), and the output is the eager engine's."""
+    prompts = prompts_of([5, 40, 17, 3, 300, 9, 2, 12, 66], seed=11)
+    config = dict(device="cuda", attention="triton", dtype="float32", max_running=16)
+    want = greedy_run(make(cuda_graphs=False, **config), prompts, "e")
+    engine = make(compile=True, **config)
+    assert engine.runner.graphs is not None
+    assert all(fn.active for fn in engine.model.kernels)
+    assert greedy_run(engine, prompts, "g") == want
+    assert engine.runner.graphs.replays > 0 and all(fn.active for fn in engine.model.kernels)
+    assert_idle_clean(engine)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunk_graphs_give_the_eager_greedy_output_of_prompts_alone(page_size, dtype):
+    """Prompts that arrive alone: cold ones padded to 16-2048 tokens, ones over a cached prefix
+    (chunks of 30 and 700 tokens), one past the largest graph (2100 tokens, chunked and eager);
+    each pass the chunk graphs replayed gives the eager engine's tokens."""
+    base = prompts_of([5, 40, 300, 1500, 2100], seed=21)
+    prompts = [*base, base[1] + prompt(30, 5), base[2] + prompt(700, 6)]
+    config = dict(device="cuda", attention="triton", page_size=page_size, dtype=dtype,
+                  max_running=16, prefill_budget=2048)
+    eager, graphs = make(cuda_graphs=False, **config), make(**config)
+    assert graphs.runner.chunk_graphs.sizes[-1] == 2048
+    for i, p in enumerate(prompts):
+        want = greedy_run(eager, [p], f"e{i}")
+        assert greedy_run(graphs, [p], f"g{i}") == want, i
+    assert graphs.runner.chunk_graphs.replays >= 6
     assert_idle_clean(graphs)
 
 

@@ -217,11 +217,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         batch: AttentionBatch,
         kv_pool: KVPool,
-        logits_rows: list[int] | None,
+        logits_rows: list[int] | torch.Tensor | None,
     ) -> torch.Tensor:
         """input_ids/positions [T] of the new tokens -> float32 logits [S, vocab] of the
         tokens at `logits_rows` (rows of the flattened batch, usually each sequence's last;
-        None: every row).
+        None: every row; an int64 tensor on the device: those rows, chosen after the last
+        layer ran for every row, as a CUDA graph that replays with other rows needs).
 
         Writes every layer's K/V of the new tokens into `kv_pool` at `batch.slot_mapping`. The
         last layer runs attention and the MLP for the logits rows only (a prompt chunk's other
@@ -233,7 +234,10 @@ class CausalLM(nn.Module):
         *body, last = self.layers
         for layer in body:
             x = layer(x, rope, batch, kv_pool, self.kernels)
-        x = last(x, rope, batch, kv_pool, self.kernels, logits_rows)
+        if isinstance(logits_rows, torch.Tensor):
+            x = last(x, rope, batch, kv_pool, self.kernels).index_select(0, logits_rows)
+        else:
+            x = last(x, rope, batch, kv_pool, self.kernels, logits_rows)
         x = self.norm(x)
         return linear(x, self.lm_head.weight, self.lm_head.bias).to(torch.float32)
 
