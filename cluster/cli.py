@@ -89,8 +89,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="attention backend: auto (triton on a GPU, else native), native, "
                        "torch (reference), triton, flashinfer (default: %(default)s)")
     model.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                       help="--engine radixray on a GPU: run decode passes eagerly instead of "
-                       "replaying CUDA graphs captured at start")
+                       help="--engine radixray on a GPU: run decode passes and lone prompt "
+                       "chunks eagerly instead of replaying CUDA graphs captured at start")
     model.add_argument("--compile", action="store_true",
                        help="--engine radixray: torch.compile the layers, eager if that fails "
                        "(the first requests wait for the compiler)")
