@@ -17,16 +17,24 @@ in float32). A segment's keys go by in tiles of 32, each slot's row read once fo
 words, then per head the scores of all its queries, their softmax over the tile, and p @ V
 (V read from the pool and unpacked into pairs of keys on the way), up to six queries sharing
 each load. Rows a few tiles ahead are prefetched a few lines at a time, spread over a tile's
-work, so the memory reads overlap the arithmetic. Elsewhere, and always over a float32 pool
-(the dtype of CPUs without bf16 units), the same segments and online softmax run on float32
-vectors, a KV head at a time, in blocks of 512 keys, in plain C over the compiler's vector
-types: 16 lanes where the core has AVX-512, 8 elsewhere (AVX2 has 16 registers of 8 floats:
-built at 16 lanes on an AVX2 core, this path took 5-12x as long over one layer). A segment
-of up to 8 queries per KV head takes, per query, the products of a vector's width of keys at
-once, then sums each key's lanes in a tree of shuffles; more (a group over its shared prefix)
-hold a vector's width of queries against each key's dims broadcast, as many keys at a time,
-transposed in registers into the queries' score rows. p @ V takes four queries (two at 8
-lanes) per pass over a block's value rows.
+work, so the memory reads overlap the arithmetic. Where the core also has AMX (and Linux grants
+the process its tile state), a KV head's queries over a segment, from `AMX_MIN_Q` of them (two
+sequences over a shared prefix, at 3 query heads per KV head), score and weigh in tiles: q.k of
+16 queries against the tile's 32 keys (the K pair words are already AMX's B layout), then p @ V
+of the same 16 against the tile's V unpacked once into pairs of keys, each query's accumulator
+rescaled and added in vectors. One layer of SmolLM2's decode over a shared 1k prefix: 8
+sequences 0.59x the vdpbf16ps path's time, 4 groups of 8 0.53-0.58x, two sequences 0.84-0.86x;
+one sequence's 3 queries gain nothing (memory-bound) and stay on vdpbf16ps.
+
+Elsewhere, and always over a float32 pool (the dtype of CPUs without bf16 units), the same
+segments and online softmax run on float32 vectors, a KV head at a time, in blocks of 512 keys,
+in plain C over the compiler's vector types: 16 lanes where the core has AVX-512, 8 elsewhere
+(AVX2 has 16 registers of 8 floats: built at 16 lanes on an AVX2 core, this path took 5-12x as
+long over one layer). A segment of up to 8 queries per KV head takes, per query, the products
+of a vector's width of keys at once, then sums each key's lanes in a tree of shuffles; more (a
+group over its shared prefix) hold a vector's width of queries against each key's dims
+broadcast, as many keys at a time, transposed in registers into the queries' score rows. p @ V
+takes four queries (two at 8 lanes) per pass over a block's value rows.
 """
 
 from __future__ import annotations
@@ -38,7 +46,9 @@ import torch
 
 import worker.models.c_library as c_library
 
-SOURCE = c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP + r"""
+SOURCE = "#define _DEFAULT_SOURCE  /* syscall(), for AMX's permission */\n" + (
+    c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP
+) + r"""
 #include <stdlib.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -201,6 +211,114 @@ static void score_queries(int64_t nq, const uint32_t *const *qw, const uint32_t 
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Where the core has AMX: a segment's scores for at least AMX_MIN_Q queries of a KV head in
+   tiles (`tdpbf16ps`: 16 queries x 32 dims of A against 16 pairs of dims x 16 keys of B, the
+   sums float32). The tile's K pair words [D / 2, KB] (`load_tile`) are B's layout as they lie;
+   the queries' rows are copied into qa (16 rows of D / 2 words, zero past the last query). */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_MIN_Q 4  /* fewer queries of a KV head over a segment take the vdpbf16ps path */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((aligned(64))) TileConfig;
+
+/* Whether this process may use the tiles (Linux grants AMX's state only when asked). */
+int decode_attention_amx(void) {
+    static int granted = -1;
+    if (granted < 0)
+        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+/* Tiles 0, 1: the scores of keys 0-15 and 16-31; 2: A; 3, 4: B. Per thread, per call. */
+static void configure_tiles(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+static void score_queries_amx(int64_t nq, const uint32_t *const *qw, const uint32_t *kw,
+                              int64_t W, float scale, float *sc, uint32_t *qa, Prefetcher *pf) {
+    float c[16 * KB] __attribute__((aligned(64)));
+    const __m512 vs = _mm512_set1_ps(scale);
+    for (int64_t i = 0; i < nq; i += 16) {
+        int64_t n = nq - i < 16 ? nq - i : 16;
+        prefetch(pf, pf->step * ((n + QB - 1) / QB));  /* what score_queries asks for them */
+        for (int64_t r = 0; r < n; r++) memcpy(qa + r * W, qw[i + r], sizeof(uint32_t) * W);
+        if (n < 16) memset(qa + n * W, 0, sizeof(uint32_t) * W * (16 - n));
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t w = 0; w < W; w += 16) {
+            _tile_loadd(2, qa + w, W * 4);
+            _tile_loadd(3, kw + w * KB, KB * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(4, kw + w * KB + 16, KB * 4);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, c, KB * 4);
+        _tile_stored(1, c + 16, KB * 4);
+        for (int64_t r = 0; r < n; r++)
+            for (int k = 0; k < KB; k += 16)
+                _mm512_storeu_ps(sc + (i + r) * KB + k,
+                                 _mm512_mul_ps(_mm512_load_ps(c + r * KB + k), vs));
+    }
+}
+
+/* p @ V of a head's nq queries over a tile in tiles: the tile's V rows of this head unpacked
+   once into pair words vb [D / 16][KB / 2][16] (16 dims in `weigh_block`'s order, a pair of
+   keys a row; zero past the tile's np pairs), the weights' rows as `softmax_row` left them in
+   sc (pair words) as A, 16 queries at a time into ct [16][D]; each query's accumulator takes
+   corr, then ct. sc has 16 rows of room past the last query. */
+static void weigh_queries_amx(int64_t nq, const float *sc, int64_t np, const uint16_t *const *vr,
+                              int64_t hd, int64_t D, float *const *acc, const float *corr,
+                              uint32_t *vb, float *ct, Prefetcher *pf) {
+    const int64_t NV = D / 16, PB = KB / 2 * 16;  /* words of one dims block */
+    for (int64_t jp = 0; jp < KB / 2; jp++)
+        for (int64_t c = 0; c < NV; c += 2) {
+            __m512i lo = _mm512_setzero_si512(), hi = lo;
+            if (jp < np) {
+                __m512i va = _mm512_loadu_si512(vr[2 * jp] + hd + 16 * c);
+                __m512i vc = _mm512_loadu_si512(vr[2 * jp + 1] + hd + 16 * c);
+                lo = _mm512_unpacklo_epi16(va, vc);
+                hi = _mm512_unpackhi_epi16(va, vc);
+            }
+            _mm512_storeu_si512(vb + c * PB + jp * 16, lo);
+            _mm512_storeu_si512(vb + (c + 1) * PB + jp * 16, hi);
+        }
+    for (int64_t i = 0; i < nq; i += 16) {
+        int64_t n = nq - i < 16 ? nq - i : 16;
+        prefetch(pf, pf->step * ((n + QB - 1) / QB));  /* what weigh_queries asks for them */
+        _tile_loadd(2, sc + i * KB, KB * 4);
+        for (int64_t c = 0; c < NV; c++) {
+            _tile_zero(0);
+            _tile_loadd(3, vb + c * PB, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_stored(0, ct + 16 * c, D * 4);
+        }
+        for (int64_t r = 0; r < n; r++) {
+            float *a = acc[i + r];
+            const __m512 f = _mm512_set1_ps(corr[i + r]);
+            for (int64_t d = 0; d < D; d += 16)
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), f,
+                                                        _mm512_loadu_ps(ct + r * D + d)));
+        }
+    }
+}
+#else
+int decode_attention_amx(void) { return 0; }
+#endif
+
 /* One row's online softmax over a tile: scores sc[0..nb) -> its weights, rounded to bfloat16
    (as torch's flash kernel does), as 16 pair words in place; the running max *mx and sum
    vector *sv updated (the sum in float32, of the unrounded weights). Returns the factor the
@@ -321,7 +439,9 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     for (int64_t s = 0; s < nseg; s++)
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     const int64_t nrows = KVH * max_nq;
-    size_t words = KVH * W * KB + nrows * KB + nrows + B * H * 16;
+    /* kw, sc (16 rows of room), corr, sv, then the AMX paths' qa, vb and ct */
+    size_t words = KVH * W * KB + (nrows + 16) * KB + nrows + B * H * 16 + 16 * W + 8 * W * KB
+                   + 16 * D;
     uint32_t *buf = aligned_alloc(64, ((sizeof(uint32_t) * words + 63) / 64) * 64);
     void **ptrs = malloc(sizeof(void *) * (5 * nrows + KB));
     if (!buf || !ptrs) {
@@ -331,8 +451,17 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     }
     memset(buf, 0, sizeof(uint32_t) * KVH * W * KB);  /* K lanes past a short first tile */
     uint32_t *kw = buf;
-    float *sc = (float *)(kw + KVH * W * KB), *corr = sc + nrows * KB;
+    float *sc = (float *)(kw + KVH * W * KB), *corr = sc + (nrows + 16) * KB;
     float *sv = corr + nrows;
+    memset(sc + nrows * KB, 0, sizeof(float) * 16 * KB);
+    uint32_t *qa = (uint32_t *)(sv + B * H * 16), *vb = qa + 16 * W;
+    float *ct = (float *)(vb + 8 * W * KB);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const int amx = W % 16 == 0 && max_nq >= AMX_MIN_Q && decode_attention_amx();
+    if (amx) configure_tiles();
+#else
+    (void)qa, (void)vb, (void)ct;
+#endif
     const uint32_t **qw = (const uint32_t **)ptrs, **pw = qw + nrows;
     float **accs = (float **)(pw + nrows), **svs = accs + nrows;
     float **mxs = svs + nrows;
@@ -369,11 +498,23 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
             load_tile(kpool, vpool, sl + t0, nb, KVH, D, kw, vr);
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t r0 = h * nq;
-                score_queries(nq, qw + r0, kw + h * W * KB, W, scale, sc + r0 * KB, &pf);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+                if (amx && nq >= AMX_MIN_Q)
+                    score_queries_amx(nq, qw + r0, kw + h * W * KB, W, scale, sc + r0 * KB, qa,
+                                      &pf);
+                else
+#endif
+                    score_queries(nq, qw + r0, kw + h * W * KB, W, scale, sc + r0 * KB, &pf);
                 for (int64_t i = r0; i < r0 + nq; i++)
                     corr[i] = softmax_row(sc + i * KB, nb, mxs[i], svs[i]);
-                weigh_queries(nq, pw + r0, (nb + 1) / 2, vr, h * D, D, accs + r0, corr + r0,
-                              &pf);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+                if (amx && nq >= AMX_MIN_Q)
+                    weigh_queries_amx(nq, sc + r0 * KB, (nb + 1) / 2, vr, h * D, D, accs + r0,
+                                      corr + r0, vb, ct, &pf);
+                else
+#endif
+                    weigh_queries(nq, pw + r0, (nb + 1) / 2, vr, h * D, D, accs + r0,
+                                  corr + r0, &pf);
             }
             prefetch(&pf, pf.due);
         }
@@ -382,11 +523,16 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
         sum[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(sv + i * 16));
         write_row(acc + i * D, 1.0f / sum[i], D, out + i * D);
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) _tile_release();
+#endif
     free(buf);
     free(ptrs);
     return 0;
 }
 #else
+int decode_attention_amx(void) { return 0; }
+
 /* Elsewhere, and for a float32 pool: float32 vectors of VW lanes (`c_library.FLOAT_VECTORS`), a
    KV head at a time, keys in softmax blocks of KVS. */
 """ + c_library.FLOAT_VECTORS + r"""
@@ -619,6 +765,9 @@ class DecodeKernel:
 
     def __init__(self, library: ctypes.CDLL, dtype: torch.dtype = torch.bfloat16) -> None:
         self.dtype = dtype  # of the queries, the pool and the output
+        # queries of a KV head over a segment's keys score in AMX tiles (where the core has
+        # them and Linux grants them) from AMX_MIN_Q on
+        self.amx = dtype == torch.bfloat16 and bool(library.decode_attention_amx())
         fn = library.decode_attention
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 5 + [

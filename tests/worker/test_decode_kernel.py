@@ -84,6 +84,17 @@ def test_kernel_matches_float64_attention_over_any_segments(kernel, layout):
     check_layout(kernel, layout)
 
 
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("members", [3, 6, 11])
+def test_amx_scores_match_float64_attention(kernel, dim, members):
+    """A shared prefix with 9, 18 and 33 queries per KV head (3 a sequence): scored in AMX
+    tiles, a partial tile of queries too, where the core has them."""
+    if not kernel.amx:
+        pytest.skip("no AMX tiles on this core (or not granted)")
+    groups = [(700, [40 + 7 * i for i in range(members)]), (0, [300])]
+    check_layout(kernel, {"kv_heads": 3, "group": 3, "dim": dim, "groups": groups, "seed": dim})
+
+
 @settings(max_examples=30, deadline=None)
 @given(layout=layouts)
 def test_the_float32_pool_kernel_matches_float64_attention(kernel_f32, layout):
