@@ -25,6 +25,13 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   cached prefix and itself with the keys read from the pool in place (no gather, mask or
   merge). With AMX torch's flash attention multiplies bf16 in its tiles and wins from a few
   dozen queries on; without, the kernel wins at every size measured.
+- A chunk of up to `SEGMENT_QUERIES` queries over a cached prefix, where the decode kernel
+  scores and weighs in AMX tiles (`DecodeKernel.amx`), goes through that kernel as segments:
+  each query a sequence of its own, all of them one segment over the prefix (AMX tiles of 16
+  queries), then each query one segment over the chunk's keys up to itself (the causal part).
+  A 70-token question over a 1,032-token cached system prompt, one layer of SmolLM2: 0.87 ms
+  against 1.33 ms on torch's path; 16 queries 0.23 against 0.63 ms (the prefill kernel's); at
+  128 queries 0.76x, at 256 1.10x (the causal part grows with the square of the chunk).
 - Elsewhere, prefill without a cached prefix attends over its own new K/V (`is_causal`), no
   gather.
 - And prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask)
@@ -35,7 +42,7 @@ The engine's default. It gives what the reference `torch` backend gives, with le
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -48,6 +55,9 @@ from worker.models.few_rows import median_seconds
 # the chunk sizes `kernel_queries` times, each over a cached prefix of CALIBRATION_PREFIX keys
 CALIBRATION_QUERIES, CALIBRATION_PREFIX = (16, 64, 256, 1024), 512
 UNBOUNDED = 1 << 40
+# the most queries a chunk over a cached prefix may have to go through the decode kernel's
+# segments (where it has AMX): 0.76x torch's path at 128 on the AMX Xeon, 1.10x at 256
+SEGMENT_QUERIES = 128
 
 
 class NativeAttention(AttentionBackend):
@@ -74,8 +84,13 @@ class NativeAttention(AttentionBackend):
             out[plan.decode_rows] = self._decode(q[plan.decode_rows], k_buf, v_buf, plan)
         same_dtype = k_buf.dtype == q.dtype
         chunk_kernel, most = self._prefill_kernel(q, k_buf)
-        for start, q_len, prefix_slots, slots in plan.prefills:
+        segment_kernel = self._segment_kernel(q, k_buf)
+        for i, (start, q_len, prefix_slots, slots) in enumerate(plan.prefills):
             end = start + q_len
+            if segment_kernel is not None and prefix_slots is not None and q_len <= SEGMENT_QUERIES:
+                segments = plan.chunk_segments(i)
+                out[start:end] = segment_kernel(q[start:end], k_buf, v_buf, *segments)
+                continue
             if chunk_kernel is not None and q_len <= most:  # the keys read from the pool in place
                 out[start:end] = chunk_kernel(q[start:end], k_buf, v_buf, slots)
                 continue
@@ -93,6 +108,14 @@ class NativeAttention(AttentionBackend):
         if kernel is None:
             return None, 0
         return kernel, kernel_queries(kernel, q.shape[1], k_buf.shape[1], q.shape[2])
+
+    def _segment_kernel(self, q: torch.Tensor, k_buf: torch.Tensor):
+        """The decode kernel where it takes chunks over a cached prefix as segments (AMX), else
+        None."""
+        if not (self.use_kernel and decode_kernel.supports(q, k_buf)):
+            return None
+        kernel = decode_kernel.load(q.dtype)
+        return kernel if kernel is not None and kernel.amx else None
 
     def _gather(
         self, k_buf: torch.Tensor, v_buf: torch.Tensor, plan: _NativePlan
@@ -185,6 +208,22 @@ class _NativePlan:
     kernel: decode_kernel.DecodeKernel | None = None  # set: decode through it, over `segments`
     segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _additive: torch.Tensor | None = None
+    _chunks: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def chunk_segments(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill chunk `i` as the decode kernel's (slots, segments, members), made once: its
+        t queries as sequences, all of them over its cached prefix in one segment, then query
+        j over the chunk's first j + 1 keys (causal)."""
+        if i not in self._chunks:
+            _, t, prefix, slots = self.prefills[i]
+            p, queries = prefix.numel(), torch.arange(t)
+            rows = torch.empty(t + 1, 4, dtype=torch.int64)
+            rows[0] = torch.tensor([0, p, 0, t])
+            rows[1:, 0], rows[1:, 1], rows[1:, 2], rows[1:, 3] = p, queries + 1, t + queries, 1
+            self._chunks[i] = (slots, rows, torch.cat([queries, queries]))
+        return self._chunks[i]
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """`decode_mask` as 0 / -inf in `dtype` (what the CPU flash kernel takes), made once."""

@@ -193,6 +193,32 @@ def test_native_backend_with_the_kernel_matches_the_reference(dtype, prefill, se
     torch.testing.assert_close(outs["native"], outs["torch"], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunks_over_a_cached_prefix_through_amx_segments_match_the_reference(seed):
+    """Prefill chunks of 2, 17, 70 and 128 queries over cached prefixes (one of a single key),
+    a chunk of 129 (torch's path), a cold chunk and decoding sequences in one pass: the native
+    backend's output is the torch reference's."""
+    kernel = load_or_skip(BF16)
+    if not kernel.amx:
+        pytest.skip("no AMX tiles on this core (or not granted)")
+    gen = torch.Generator().manual_seed(seed)
+    outs = {}
+    for name in ("torch", "native"):
+        gen.manual_seed(seed)
+        pool = random_pool(gen, POOL, 3, 64, BF16)
+        perm = torch.randperm(POOL, generator=gen)
+        shapes = [(1032, 70), (300, 2), (1, 17), (500, 128), (40, 129), (0, 60), (900, 1)]
+        seq_slots, used = [], 0
+        for prefix, new in shapes:
+            seq_slots.append(perm[used : used + prefix + new])
+            used += prefix + new
+        batch, q, k, v = pass_over(gen, seq_slots, [n for _, n in shapes], 9, pool)
+        outs[name] = make_attention(name).forward(q, k, v, 0, batch, pool).double()
+        if name == "native":
+            assert sorted(batch.plan["native"]._chunks) == [0, 1, 2, 3]
+    torch.testing.assert_close(outs["native"], outs["torch"], atol=1.5e-2, rtol=1.5e-2)
+
+
 def test_without_the_kernel_the_backend_runs_pure_torch(monkeypatch):
     monkeypatch.setattr(native.decode_kernel, "load", lambda dtype=BF16: None)
     monkeypatch.setattr(native.prefill_kernel, "load", lambda dtype=BF16: None)
