@@ -62,7 +62,46 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
-class DecodeGraphs:
+class _PaddedPasses:
+    """What both kinds of graphs share: the token buffers a captured pass reads (ids, positions,
+    the slots their K/V go to), filled and padded per replay, and the replay itself."""
+
+    def __init__(self, kv_pool: KVPool, n: int, device: torch.device) -> None:
+        if kv_pool.pad_slot is None:
+            raise ValueError("CUDA graphs need a KV pool with a pad slot")
+        self.kv_pool = kv_pool
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), kv_pool.pad_slot, dtype=torch.int64, device=device)
+        self.replays = 0  # passes run through here
+        self.capture_s, self.capture_bytes = 0.0, 0  # what capturing took (GPU)
+        # size -> the replay (a graph's, or the eager pass) and its logits
+        self.passes: dict[int, Pass] = {}
+
+    def _fill(self, input_ids, positions, slot_mapping, size: int) -> None:
+        """The pass's tokens into the buffers, padded to `size` with token 0 at position 0
+        whose K/V goes to the pad slot."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        if n < size:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.slot_mapping[n:size].fill_(self.kv_pool.pad_slot)
+
+    def _replay(self, size: int, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the logits of size `size`'s pass, copied (a graph's output
+        buffer is overwritten by its next replay)."""
+        replay, logits = self.passes[size]
+        self.replays += 1
+        out = replay()
+        if logits is None:  # not captured: the pass returned them
+            logits = out
+        return logits[:rows].clone()
+
+
+class DecodeGraphs(_PaddedPasses):
     """CUDA graphs of the decode pass of `model` over `kv_pool` (which has a pad slot) for up to
     `max_batch` sequences whose slots are rows of `slot_table` (the device's copy of the
     request-to-slot table, which the engine keeps current)."""
@@ -75,25 +114,16 @@ class DecodeGraphs:
         max_batch: int,
         capture: bool = True,
     ) -> None:
-        if kv_pool.pad_slot is None:
-            raise ValueError("decode graphs need a KV pool with a pad slot")
-        self.model, self.kv_pool = model, kv_pool
         self.sizes = graph_batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.max_batch = n = self.sizes[-1]
         dev = slot_table.device
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), kv_pool.pad_slot, dtype=torch.int64, device=dev)
+        super().__init__(kv_pool, n, dev)
+        self.model = model
         self.kv_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.rows = torch.zeros(n, dtype=torch.int32, device=dev)
         self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.slot_table = slot_table
         self.capture = capture
-        self.replays = 0  # decode passes run through here
-        self.capture_s, self.capture_bytes = 0.0, 0  # what capturing took (GPU)
-        # batch size -> the replay (a graph's, or the eager pass) and its logits [size, vocab]
-        self.passes: dict[int, Pass] = {}
         if capture:
             self._capture_all()
         else:
@@ -119,25 +149,14 @@ class DecodeGraphs:
         """float32 logits [B, vocab] of one decode step of B sequences (`can_run`)."""
         b = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(slot_mapping, non_blocking=True)
+        self._fill(input_ids, positions, slot_mapping, size)
         self.rows[:b].copy_(rows, non_blocking=True)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
         self.kv_lens[:b].copy_(lens, non_blocking=self.kv_lens.is_cuda)
-        if b < size:  # padding rows: token 0 at position 0, one key, K/V into the pad slot
-            self.input_ids[b:size].zero_()
-            self.positions[b:size].zero_()
-            self.slot_mapping[b:size].fill_(self.kv_pool.pad_slot)
+        if b < size:  # padding rows: one key each (their own), row 0 of the table
             self.kv_lens[b:size].fill_(1)
             self.rows[b:size].zero_()
-        replay, logits = self.passes[size]
-        self.replays += 1
-        out = replay()
-        if logits is None:  # not captured: the pass returned them
-            logits = out
-        # a copy: the graph's output buffer is overwritten by the next replay
-        return logits[:b].clone()
+        return self._replay(size, b)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The decode pass of the first `size` rows of the buffers (what a graph records)."""
@@ -166,7 +185,7 @@ def chunk_graph_sizes(max_tokens: int) -> list[int]:
     return [s for s in (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048) if s <= max_tokens]
 
 
-class ChunkGraphs:
+class ChunkGraphs(_PaddedPasses):
     """CUDA graphs of a pass over one sequence's chunk of 2 to `max_tokens` (at most 2048) new
     tokens that samples its last one, the sequence's slots a row of `slot_table` (the device's
     copy of the request-to-slot table), for `model` over `kv_pool` (which has a pad slot).
@@ -185,16 +204,12 @@ class ChunkGraphs:
         max_tokens: int,
         capture: bool = True,
     ) -> None:
-        if kv_pool.pad_slot is None:
-            raise ValueError("chunk graphs need a KV pool with a pad slot")
         self.sizes = chunk_graph_sizes(min(max_tokens, slot_table.shape[1]))
         if not self.sizes:
             raise ValueError(f"no chunk graph fits {max_tokens} tokens")
-        self.model, self.kv_pool, self.slot_table = model, kv_pool, slot_table
         dev, n = slot_table.device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((n,), kv_pool.pad_slot, dtype=torch.int64, device=dev)
+        super().__init__(kv_pool, n, dev)
+        self.model, self.slot_table = model, slot_table
         self.kv_len = torch.ones(1, dtype=torch.int32, device=dev)  # p + T
         self.row = torch.zeros(1, dtype=torch.int32, device=dev)
         self.last = torch.zeros(1, dtype=torch.int64, device=dev)  # t - 1: the row to sample
@@ -202,9 +217,6 @@ class ChunkGraphs:
             size: torch.tensor([0, size], dtype=torch.int32, device=dev) for size in self.sizes
         }
         self.capture = capture
-        self.replays = 0
-        self.capture_s, self.capture_bytes = 0.0, 0
-        self.passes: dict[int, Pass] = {}
         if capture:
             self.passes, self.capture_s, self.capture_bytes = capture_passes(
                 self.sizes, self._forward, dev
@@ -234,22 +246,11 @@ class ChunkGraphs:
         `DecodeGraphs.run`'s, for one sequence."""
         t = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, t)]
-        self.input_ids[:t].copy_(input_ids, non_blocking=True)
-        self.positions[:t].copy_(positions, non_blocking=True)
-        self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
+        self._fill(input_ids, positions, slot_mapping, size)
         self.row.copy_(rows, non_blocking=True)
-        if t < size:
-            self.input_ids[t:size].zero_()
-            self.positions[t:size].zero_()
-            self.slot_mapping[t:size].fill_(self.kv_pool.pad_slot)
         self.kv_len.fill_(kv_lens[0] - t + size)
         self.last.fill_(t - 1)
-        replay, logits = self.passes[size]
-        self.replays += 1
-        out = replay()
-        if logits is None:
-            logits = out
-        return logits.clone()
+        return self._replay(size, 1)
 
     def _forward(self, size: int) -> torch.Tensor:
         """The pass over the first `size` tokens of the buffers (what a graph records)."""

@@ -47,7 +47,7 @@ import torch
 import worker.models.c_library as c_library
 
 SOURCE = "#define _DEFAULT_SOURCE  /* syscall(), for AMX's permission */\n" + (
-    c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP
+    c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP + c_library.AMX_TILES
 ) + r"""
 #include <stdlib.h>
 #ifdef __AVX512F__
@@ -216,37 +216,10 @@ static void score_queries(int64_t nq, const uint32_t *const *qw, const uint32_t 
    tiles (`tdpbf16ps`: 16 queries x 32 dims of A against 16 pairs of dims x 16 keys of B, the
    sums float32). The tile's K pair words [D / 2, KB] (`load_tile`) are B's layout as they lie;
    the queries' rows are copied into qa (16 rows of D / 2 words, zero past the last query). */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_MIN_Q 4  /* fewer queries of a KV head over a segment take the vdpbf16ps path */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) TileConfig;
-
-/* Whether this process may use the tiles (Linux grants AMX's state only when asked). */
-int decode_attention_amx(void) {
-    static int granted = -1;
-    if (granted < 0)
-        granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
-
-/* Tiles 0, 1: the scores of keys 0-15 and 16-31; 2: A; 3, 4: B. Per thread, per call. */
-static void configure_tiles(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+/* Whether this process may use the tiles. */
+int decode_attention_amx(void) { return amx_granted(); }
 
 static void score_queries_amx(int64_t nq, const uint32_t *const *qw, const uint32_t *kw,
                               int64_t W, float scale, float *sc, uint32_t *qa, Prefetcher *pf) {
@@ -458,7 +431,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     float *ct = (float *)(vb + 8 * W * KB);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int amx = W % 16 == 0 && max_nq >= AMX_MIN_Q && decode_attention_amx();
-    if (amx) configure_tiles();
+    if (amx) amx_configure(5);  /* 0, 1: scores (or 0: p @ V); 2: A; 3, 4: B */
 #else
     (void)qa, (void)vb, (void)ct;
 #endif

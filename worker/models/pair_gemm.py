@@ -60,6 +60,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+""" + c_library.AMX_TILES + r"""
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #define NB 4  /* vectors of 16 outputs per group */
@@ -307,31 +308,11 @@ int pair_linear_available(void) { return 1; }
    of 32 inputs, prefetched AMX_AHEAD bytes ahead. A block of up to 16 rows takes a group's
    64 outputs in tiles 0-3; the next block of rows reads the same group again from L2 (a
    group is 256 bytes per input pair: 72 KB at K = 576). */
-#include <sys/syscall.h>
-#include <unistd.h>
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define AMX_K 32        /* inputs per tile step (a 64-byte row of A) */
 #define AMX_AHEAD 4096  /* bytes of a group's weights between a prefetch and its tile load */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((aligned(64))) TileConfig;
-
-/* Tiles 0-3: sums [16 rows][16 outputs] of the group's four vectors of outputs; 4: A; 5, 6: B.
-   The configuration is per thread: each call sets it and releases the tiles at the end. */
-static void configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
+/* Tiles 0-3: sums [16 rows][16 outputs] of the group's four vectors of outputs; 4: A; 5, 6: B
+   (`amx_configure(7)`). */
 
 static inline float bf16_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -400,7 +381,7 @@ void pair_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
         memcpy(pad, x + full * k, (size_t)((rows - full) * k) * sizeof(uint16_t));
     }
     float c[16 * 64] __attribute__((aligned(64)));
-    configure();
+    amx_configure(7);
     for (int64_t g = 0; g < groups; g++) {
         const uint16_t *wg = w + g * pairs * NB * 32;
         const uint16_t *bg = bias ? bias + g * 64 : 0;
@@ -420,9 +401,7 @@ void pair_linear_amx(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
 }
 
 /* Whether this process may use the tiles (Linux grants AMX's state only when asked). */
-int pair_linear_amx_available(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int pair_linear_amx_available(void) { return amx_granted(); }
 #else
 int pair_linear_amx_available(void) { return 0; }
 #endif
