@@ -81,8 +81,10 @@ def mixed_batch(seed: int, dtype=BF16):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_native_backend_takes_the_kernel_for_prefill_chunks(kernel, monkeypatch, seed):
-    # the timing stands in for a core where the kernel beats torch's path at any size
+    # the timing stands in for a core where the kernel beats torch's path at any size, and one
+    # without AMX tiles (there a chunk over a cached prefix goes to the decode kernel instead)
     monkeypatch.setattr(native, "kernel_queries", lambda *a: native.UNBOUNDED)
+    monkeypatch.setattr(native.NativeAttention, "_segment_kernel", lambda *a: None)
     calls = []
     real = type(kernel).__call__
 
@@ -100,8 +102,10 @@ def test_native_backend_takes_the_kernel_for_prefill_chunks(kernel, monkeypatch,
 
 
 def test_chunks_past_the_kernels_calibrated_size_take_torchs_path(kernel, monkeypatch):
-    # the timing stands in for a core with AMX, where torch's flash wins past a few queries
+    # the timing stands in for a core where torch's flash wins past a few queries (as with
+    # AMX), here without the decode kernel's tiles for chunks over a cached prefix
     monkeypatch.setattr(native, "kernel_queries", lambda *a: 50)
+    monkeypatch.setattr(native.NativeAttention, "_segment_kernel", lambda *a: None)
     calls = []
     real = type(kernel).__call__
     spy = lambda self, q, *a: calls.append(q.shape[0]) or real(self, q, *a)  # noqa: E731
