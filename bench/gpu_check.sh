@@ -22,6 +22,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
+if ! python3 -c "import gguf" 2>/dev/null; then  # worker.models imports it; the image lacks it
+  echo "gguf is missing: carry its wheel in .whl/ (carry=[\".whl\"]; the device README)" >&2
+  exit 2
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 pytest="python3 -m pytest -q -p no:cacheprovider -o addopts=--import-mode=importlib -rfE"
