@@ -305,14 +305,10 @@ def main() -> None:
         f"{engine.runner.graphs is not None}",
         flush=True,
     )
-    if engine.runner.graphs is not None and engine.runner.graphs.capture:
-        g = engine.runner.graphs
-        print(f"captured {len(g.sizes)} decode graphs (batch 1-{g.max_batch}) in "
-              f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
-    if engine.runner.chunk_graphs is not None and engine.runner.chunk_graphs.capture:
-        g = engine.runner.chunk_graphs
-        print(f"captured {len(g.sizes)} chunk graphs (2-{g.sizes[-1]} tokens) in "
-              f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
+    for what, g in (("decode", engine.runner.graphs), ("chunk", engine.runner.chunk_graphs)):
+        if g is not None and g.capture:
+            print(f"captured {len(g.sizes)} {what} graphs (up to {g.sizes[-1]}) in "
+                  f"{g.capture_s:.1f} s, {g.capture_bytes / 2**20:.0f} MiB reserved", flush=True)
     ttft(engine, "warmup", random_prompt(64, 0, vocab))
     if args.decode_steps:
         figures = {"decode_step": bench_decode_steps(engine, args, vocab)}

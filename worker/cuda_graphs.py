@@ -63,8 +63,12 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class _PaddedPasses:
-    """What both kinds of graphs share: the token buffers a captured pass reads (ids, positions,
-    the slots their K/V go to), filled and padded per replay, and the replay itself."""
+    """What both kinds of graphs share: one pass per size of `sizes` (captured, or run eagerly
+    over the same buffers), the token buffers it reads (ids, positions, the slots their K/V go
+    to), filled and padded per step, and the replay. A kind adds its index buffers (`_load`)
+    and the pass itself (`_forward`)."""
+
+    sizes: list[int]
 
     def __init__(self, kv_pool: KVPool, n: int, device: torch.device) -> None:
         if kv_pool.pad_slot is None:
@@ -78,27 +82,56 @@ class _PaddedPasses:
         # size -> the replay (a graph's, or the eager pass) and its logits
         self.passes: dict[int, Pass] = {}
 
-    def _fill(self, input_ids, positions, slot_mapping, size: int) -> None:
-        """The pass's tokens into the buffers, padded to `size` with token 0 at position 0
-        whose K/V goes to the pad slot."""
+    def _make_passes(self, capture: bool, what: str) -> None:
+        """A graph of every size (logged as `what`), or with `capture` False each size's pass
+        run eagerly over the same buffers (how a machine without a GPU tests them)."""
+        self.capture = capture
+        if not capture:
+            self.passes = {size: (partial(self._forward, size), None) for size in self.sizes}
+            return
+        self.passes, self.capture_s, self.capture_bytes = capture_passes(
+            self.sizes, self._forward, self.input_ids.device
+        )
+        logger.info("captured %d %s graphs (up to %d) in %.1f s, %.0f MiB", len(self.sizes),
+                    what, self.sizes[-1], self.capture_s, self.capture_bytes / 2**20)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_lens: list[int],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """float32 logits of the pass (`can_run`) over the tokens `input_ids` at `positions`,
+        their K/V to `slot_mapping`, of sequences with `kv_lens` keys after it at `rows` of the
+        slot table: [B, vocab] for a decode batch of B, [1, vocab] for a chunk."""
         n = input_ids.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        if n < size:
+        if n < size:  # padding tokens: token 0 at position 0, K/V into the pad slot
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(self.kv_pool.pad_slot)
-
-    def _replay(self, size: int, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the logits of size `size`'s pass, copied (a graph's output
-        buffer is overwritten by its next replay)."""
+        out_rows = self._load(kv_lens, rows, n, size)
         replay, logits = self.passes[size]
         self.replays += 1
         out = replay()
         if logits is None:  # not captured: the pass returned them
             logits = out
-        return logits[:rows].clone()
+        # a copy: a graph's output buffer is overwritten by its next replay
+        return logits[:out_rows].clone()
+
+    def _load(self, kv_lens: list[int], rows: torch.Tensor, n: int, size: int) -> int:
+        """Fill the kind's index buffers for `n` tokens padded to `size`; the logits rows the
+        pass yields."""
+        raise NotImplementedError
+
+    def _forward(self, size: int) -> torch.Tensor:
+        """The pass over the first `size` tokens of the buffers (what a graph records)."""
+        raise NotImplementedError
 
 
 class DecodeGraphs(_PaddedPasses):
@@ -123,11 +156,7 @@ class DecodeGraphs(_PaddedPasses):
         self.rows = torch.zeros(n, dtype=torch.int32, device=dev)
         self.q_indptr = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.slot_table = slot_table
-        self.capture = capture
-        if capture:
-            self._capture_all()
-        else:
-            self.passes = {size: (partial(self._forward, size), None) for size in self.sizes}
+        self._make_passes(capture, "decode")
 
     @staticmethod
     def supported(model: CausalLM) -> bool:
@@ -138,25 +167,15 @@ class DecodeGraphs(_PaddedPasses):
         """A decode-only batch (one token per sequence) of at most `max_batch` sequences."""
         return num_tokens == num_seqs and 0 < num_seqs <= self.max_batch
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_lens: list[int],
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """float32 logits [B, vocab] of one decode step of B sequences (`can_run`)."""
-        b = input_ids.shape[0]
-        size = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self._fill(input_ids, positions, slot_mapping, size)
-        self.rows[:b].copy_(rows, non_blocking=True)
+    def _load(self, kv_lens: list[int], rows: torch.Tensor, n: int, size: int) -> int:
+        """Each of the B = n sequences' KV length and row; padding rows one key, row 0."""
+        self.rows[:n].copy_(rows, non_blocking=True)
         lens = torch.tensor(kv_lens, dtype=torch.int32)
-        self.kv_lens[:b].copy_(lens, non_blocking=self.kv_lens.is_cuda)
-        if b < size:  # padding rows: one key each (their own), row 0 of the table
-            self.kv_lens[b:size].fill_(1)
-            self.rows[b:size].zero_()
-        return self._replay(size, b)
+        self.kv_lens[:n].copy_(lens, non_blocking=self.kv_lens.is_cuda)
+        if n < size:
+            self.kv_lens[n:size].fill_(1)
+            self.rows[n:size].zero_()
+        return n
 
     def _forward(self, size: int) -> torch.Tensor:
         """The decode pass of the first `size` rows of the buffers (what a graph records)."""
@@ -169,13 +188,6 @@ class DecodeGraphs(_PaddedPasses):
         return self.model.forward(
             self.input_ids[:size], self.positions[:size], batch, self.kv_pool, None
         )
-
-    def _capture_all(self) -> None:
-        self.passes, self.capture_s, self.capture_bytes = capture_passes(
-            self.sizes, self._forward, self.slot_table.device
-        )
-        logger.info("captured %d decode graphs (batch 1-%d) in %.1f s, %.0f MiB", len(self.sizes),
-                    self.max_batch, self.capture_s, self.capture_bytes / 2**20)
 
 
 def chunk_graph_sizes(max_tokens: int) -> list[int]:
@@ -216,15 +228,7 @@ class ChunkGraphs(_PaddedPasses):
         self.q_indptr = {
             size: torch.tensor([0, size], dtype=torch.int32, device=dev) for size in self.sizes
         }
-        self.capture = capture
-        if capture:
-            self.passes, self.capture_s, self.capture_bytes = capture_passes(
-                self.sizes, self._forward, dev
-            )
-            logger.info("captured %d chunk graphs (2-%d tokens) in %.1f s, %.0f MiB",
-                        len(self.sizes), n, self.capture_s, self.capture_bytes / 2**20)
-        else:
-            self.passes = {size: (partial(self._forward, size), None) for size in self.sizes}
+        self._make_passes(capture, "chunk")
 
     def can_run(self, num_seqs: int, num_tokens: int, kv_len: int) -> bool:
         """One sequence's chunk of 2 to the largest graph's tokens, ending at `kv_len`, whose
@@ -234,23 +238,12 @@ class ChunkGraphs(_PaddedPasses):
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
         return kv_len - num_tokens + size <= self.slot_table.shape[1]
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        kv_lens: list[int],
-        rows: torch.Tensor,
-    ) -> torch.Tensor:
-        """float32 logits [1, vocab] of the chunk's last token (`can_run`); the arguments are
-        `DecodeGraphs.run`'s, for one sequence."""
-        t = input_ids.shape[0]
-        size = self.sizes[bisect.bisect_left(self.sizes, t)]
-        self._fill(input_ids, positions, slot_mapping, size)
+    def _load(self, kv_lens: list[int], rows: torch.Tensor, n: int, size: int) -> int:
+        """The sequence's row, its keys with the padding (p + T), the row to sample (t - 1)."""
         self.row.copy_(rows, non_blocking=True)
-        self.kv_len.fill_(kv_lens[0] - t + size)
-        self.last.fill_(t - 1)
-        return self._replay(size, 1)
+        self.kv_len.fill_(kv_lens[0] - n + size)
+        self.last.fill_(n - 1)
+        return 1
 
     def _forward(self, size: int) -> torch.Tensor:
         """The pass over the first `size` tokens of the buffers (what a graph records)."""

@@ -413,7 +413,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
         if (seg[4 * s + 3] * G > max_nq) max_nq = seg[4 * s + 3] * G;
     const int64_t nrows = KVH * max_nq;
     /* kw, sc (16 rows of room), corr, sv, then the AMX paths' qa, vb and ct */
-    size_t words = KVH * W * KB + (nrows + 16) * KB + nrows + B * H * 16 + 16 * W + 8 * W * KB
+    size_t words = KVH * W * KB + (nrows + 16) * KB + nrows + B * H * 16 + 16 * W + W * KB
                    + 16 * D;
     uint32_t *buf = aligned_alloc(64, ((sizeof(uint32_t) * words + 63) / 64) * 64);
     void **ptrs = malloc(sizeof(void *) * (5 * nrows + KB));
@@ -428,7 +428,7 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
     float *sv = corr + nrows;
     memset(sc + nrows * KB, 0, sizeof(float) * 16 * KB);
     uint32_t *qa = (uint32_t *)(sv + B * H * 16), *vb = qa + 16 * W;
-    float *ct = (float *)(vb + 8 * W * KB);
+    float *ct = (float *)(vb + W * KB);  /* vb: D / 16 blocks of KB / 2 x 16 words */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int amx = W % 16 == 0 && max_nq >= AMX_MIN_Q && decode_attention_amx();
     if (amx) amx_configure(5);  /* 0, 1: scores (or 0: p @ V); 2: A; 3, 4: B */
