@@ -19,7 +19,7 @@ def validate_request(
     if not req.input_ids:
         raise ValueError("the prompt is empty")
     for ids, what in ((req.input_ids, "prompt"), (req.resume_ids, "resume_ids")):
-        if any(not isinstance(t, int) or t < 0 or t >= vocab_size for t in ids):
+        if any(type(t) is not int or t < 0 or t >= vocab_size for t in ids):  # bool is no id
             raise ValueError(f"{what} has a token id outside 0..{vocab_size - 1}")
     sp = req.sampling
     _validate_sampling(sp)

@@ -166,6 +166,14 @@ def test_resume_ids_continue_where_the_stream_stopped():
         GenerateRequest("e", [1, 2], SamplingParams(max_tokens=0)),
         GenerateRequest("e", [1, 2], SamplingParams(max_tokens=5000)),  # over the KV pool
         GenerateRequest("e", [5000], SamplingParams()),  # outside the vocabulary
+        GenerateRequest("e", [1, -1], SamplingParams()),
+        GenerateRequest("e", [1, 2.0], SamplingParams()),  # not integers
+        GenerateRequest("e", [1, "2"], SamplingParams()),
+        GenerateRequest("e", [True, False], SamplingParams()),
+        GenerateRequest("e", [1, 2**70], SamplingParams()),
+        GenerateRequest("e", [[1, 2], [3, 4]], SamplingParams()),  # not flat
+        GenerateRequest("e", [[1, 2], [3]], SamplingParams()),
+        GenerateRequest("e", [1, 2], SamplingParams(), resume_ids=[-3]),
         GenerateRequest("e", [1, 2], SamplingParams(temperature=-1)),
         GenerateRequest("e", [1, 2], SamplingParams(top_p=0)),
         GenerateRequest("e", [1, 2], SamplingParams(logprobs=21)),
