@@ -40,16 +40,19 @@ def random_prompt(length: int, seed: int, vocab: int) -> list[int]:
 
 
 def ttft(engine: Engine, rid: str, tokens: list[int]) -> tuple[float, int]:
-    """Seconds from add_request to the first token, and the reported cached tokens."""
+    """Seconds from add_request to the first token, and the reported cached tokens. The clock
+    stops when the step hands the token on, before the engine, idle again, checks its KV slots
+    (`settle_if_idle`): the worker actor settles after delivering the chunks too."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     engine.add_request(GenerateRequest(rid, tokens, sp))
     while True:
-        for chunk in engine.step():
+        for chunk in engine.step(settle=False):
             if chunk.request_id == rid and chunk.token_ids:
                 elapsed = time.perf_counter() - start
                 while engine.has_work():
                     engine.step()
+                engine.settle_if_idle()
                 return elapsed, chunk.cached_tokens
 
 
