@@ -27,7 +27,8 @@ sequences 0.59x the vdpbf16ps path's time, 4 groups of 8 0.53-0.58x, two sequenc
 one sequence's 3 queries gain nothing (memory-bound) and stay on vdpbf16ps.
 
 Elsewhere, and always over a float32 pool (the dtype of CPUs without bf16 units), the same
-segments and online softmax run on float32 vectors, a KV head at a time, in blocks of 512 keys,
+segments and online softmax run on float32 vectors, in blocks of 256 keys, every KV head over a
+block before the next (the first head's pass prefetches whole rows, the others find them in L2),
 in plain C over the compiler's vector types: 16 lanes where the core has AVX-512, 8 elsewhere
 (AVX2 has 16 registers of 8 floats: built at 16 lanes on an AVX2 core, this path took 5-12x as
 long over one layer). A segment of up to 8 queries per KV head takes, per query, the products
@@ -506,10 +507,12 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
 #else
 int decode_attention_amx(void) { return 0; }
 
-/* Elsewhere, and for a float32 pool: float32 vectors of VW lanes (`c_library.FLOAT_VECTORS`), a
-   KV head at a time, keys in softmax blocks of KVS. */
+/* Elsewhere, and for a float32 pool: float32 vectors of VW lanes (`c_library.FLOAT_VECTORS`),
+   keys in softmax blocks of KVS, every KV head over a block before the next block: the first
+   head's pass prefetches each slot's whole rows (every head's K and V), which the other heads
+   then find in L2 (KVS keys of SmolLM2's rows: 384 KB in float32). */
 """ + c_library.FLOAT_VECTORS + r"""
-#define KVS 512
+#define KVS 256
 #define PF_KEYS 16  /* keys between a row's prefetch and its use */
 #define DOT_QUERIES 8  /* segments of up to this many queries per KV head take dot products */
 #if VW == 16
@@ -547,10 +550,10 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
     const float *kf[KB];
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
-        if (j + PF_KEYS < left) {  /* the rows of a key PF_KEYS on: memory reads overlap */
-            const char *kp = (const char *)(kpool + (sl[j + PF_KEYS] * KVH + h) * D);
-            const char *vp = (const char *)(vpool + (sl[j + PF_KEYS] * KVH + h) * D);
-            for (int64_t b = 0; b < D * (int64_t)sizeof(elem_t); b += 64) {
+        if (h == 0 && j + PF_KEYS < left) {  /* a key PF_KEYS on: memory reads overlap */
+            const char *kp = (const char *)(kpool + sl[j + PF_KEYS] * KVH * D);
+            const char *vp = (const char *)(vpool + sl[j + PF_KEYS] * KVH * D);
+            for (int64_t b = 0; b < KVH * D * (int64_t)sizeof(elem_t); b += 64) {
                 __builtin_prefetch(kp + b, 0, 2);  /* into L2: more misses in flight */
                 __builtin_prefetch(vp + b, 0, 2);
             }
@@ -654,9 +657,9 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
     const int64_t tile_floats = KB * D;  /* float32 copies of a tile's key rows */
     const int64_t vt_floats = KVS * D;   /* and of a block's value rows */
 #endif
-    size_t floats = 2 * max_nq * D + tile_floats + vt_floats + max_nq * KVS;
+    size_t floats = 2 * KVH * max_nq * D + tile_floats + vt_floats + max_nq * KVS;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
-    int64_t *rows = malloc(sizeof(int64_t) * max_nq);
+    int64_t *rows = malloc(sizeof(int64_t) * KVH * max_nq);
     const float **vr = malloc(sizeof(float *) * KVS);  /* a block's value rows */
     if (!buf || !rows || !vr) {
         free(buf);
@@ -664,7 +667,8 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         free(vr);
         return 1;
     }
-    float *qf = buf, *qt = qf + max_nq * D, *kt = qt + max_nq * D, *vt = kt + tile_floats;
+    float *qf = buf, *qt = qf + KVH * max_nq * D, *kt = qt + KVH * max_nq * D;
+    float *vt = kt + tile_floats;
     float *sc = vt + vt_floats;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
@@ -676,20 +680,25 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
         const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
         const int64_t nqp = (nq + VW - 1) / VW * VW;
-        for (int64_t h = 0; h < KVH; h++) {
-            for (int64_t i = 0; i < nq; i++) {  /* the segment's queries of head group h */
+        for (int64_t h = 0; h < KVH; h++) {  /* the segment's queries of head group h */
+            float *qfh = qf + h * max_nq * D, *qth = qt + h * max_nq * D;
+            for (int64_t i = 0; i < nq; i++) {
                 int64_t row = mem[i / G] * H + h * G + i % G;
-                rows[i] = row;
-                for (int64_t d = 0; d < D; d++) qf[i * D + d] = E_LOAD(q[row * D + d]) * scale;
+                rows[h * max_nq + i] = row;
+                for (int64_t d = 0; d < D; d++) qfh[i * D + d] = E_LOAD(q[row * D + d]) * scale;
             }
             if (nq > DOT_QUERIES)  /* and transposed, zero past nq */
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t i = 0; i < nqp; i++)
-                        qt[d * nqp + i] = i < nq ? qf[i * D + d] : 0.0f;
-            for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
-                int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
+                        qth[d * nqp + i] = i < nq ? qfh[i * D + d] : 0.0f;
+        }
+        for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
+            int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
+            for (int64_t h = 0; h < KVH; h++) {  /* head 0 asks for the block's whole rows */
+                const float *qfh = qf + h * max_nq * D, *qth = qt + h * max_nq * D;
+                const int64_t *rh = rows + h * max_nq;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB)
-                    score_tile(qf, qt, nq, nqp, kpool, vpool, sl + b0 + t0,
+                    score_tile(qfh, qth, nq, nqp, kpool, vpool, sl + b0 + t0,
                                nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
                                kt, vr + t0, vt + t0 * D, sc + t0);
                 float *pw[PV_QUERIES], cw[PV_QUERIES];  /* p @ V PV_QUERIES at a time */
@@ -697,14 +706,26 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                 int nw = 0;
                 for (int64_t i = 0; i < nq; i++) {  /* online softmax, then p @ V */
                     float *p = sc + i * KVS, mb = max_of(p, nbk);
-                    int64_t row = rows[i];
+                    int64_t row = rh[i];
                     float m_new = mx[row] > mb ? mx[row] : mb;
                     float corr = exp_f32(mx[row] - m_new), psum = 0.0f;
-                    for (int64_t j = 0; j < nbk; j++) {  /* summed in float32, the weights */
-                        float e = exp_f32(p[j] - m_new);  /* in the pool's precision (bf16: */
-                        psum += e;                        /* as torch's flash kernel does) */
-                        p[j] = E_ROUND(e);
+                    /* summed in float32, the weights in the pool's precision (bf16: as torch's
+                       flash kernel does) */
+                    vf vsum = {0};
+                    int64_t j = 0;
+                    for (; j + VW <= nbk; j += VW) {
+                        vf e = exp_v(*(vfu *)(p + j) - m_new);
+                        vsum += e;
+                        *(vfu *)(p + j) = e;
                     }
+                    for (int l = 0; l < VW; l++) psum += vsum[l];
+                    for (; j < nbk; j++) {
+                        p[j] = exp_f32(p[j] - m_new);
+                        psum += p[j];
+                    }
+#ifndef ELEM_F32
+                    for (j = 0; j < nbk; j++) p[j] = E_ROUND(p[j]);
+#endif
                     mx[row] = m_new;
                     sum[row] = sum[row] * corr + psum;
                     pw[nw] = p;

@@ -294,30 +294,12 @@ int prefill_attention_available(void) { return 0; }
 # read where they lie in the pool. Spans of SB keys as in the bf16 kernel: the span's scores up
 # to each row tile's diagonal, then per row the exact softmax against the running max (e^x as
 # exp_f32's polynomial on VW lanes), then p.V a row tile at a time. Every sum float32.
-F32_SOURCE = c_library.EXP_REDUCED + c_library.FLOAT_VECTORS + r"""
+F32_SOURCE = c_library.FLOAT_VECTORS + r"""
 #include <stdlib.h>
 #include <string.h>
 #define KB (2 * VW)  /* keys per packed block: a score tile's width */
 #define SB 512       /* keys per softmax span (a multiple of KB) */
 #define SR 6         /* rows per score tile */
-
-static inline vf splat(float x) { return (vf){0} + x; }
-
-static inline vf select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
-
-/* e^x on VW lanes as exp_f32 (`EXP_REDUCED`); x <= 0 here (a score less the row's max): below
-   -87 it is e^-87. n = x / ln 2 rounded is read from the bits of x / ln 2 + 1.5 * 2^23 (the
-   flags allow reassociation, so not as that sum less 1.5 * 2^23), and 2^n built in exponent
-   bits. */
-static inline vf exp_v(vf x) {
-    x = select(x < splat(-87.0f), splat(-87.0f), x);
-    const vf magic = splat(12582912.0f);
-    vf t = x * 1.44269504088896341f + magic;
-    vi ni = (vi)t - (vi)magic;
-    vf n = __builtin_convertvector(ni, vf);
-    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    return EXP_REDUCED(r) * (vf)((ni + 127) << 23);
-}
 
 /* Lane l of the result: l + base < n. */
 static inline vi lanes_below(int64_t base, int64_t n) {
@@ -466,7 +448,7 @@ int prefill_attention_f32(const float *q, const float *kpool, const float *vpool
                     vf m = splat(-1e30f);
                     for (int64_t c = 0; c < vis; c += VW) {
                         const vf x = *(vfu *)(sr + c);
-                        m = select(lanes_below(c, vis) & (x > m), x, m);
+                        m = blend(lanes_below(c, vis) & (x > m), x, m);
                     }
                     float bm = m[0];
                     for (int l = 1; l < VW; l++) bm = m[l] > bm ? m[l] : bm;

@@ -150,8 +150,9 @@ ELEMENT_DTYPES = {torch.bfloat16: "", torch.float32: "_f32"}
 # float32 vectors of VW lanes on GCC's (and clang's) vector types, for any CPU: VW is 16 where
 # the core has AVX-512 (32 registers of 16 floats) and 8 elsewhere (AVX2: 16 registers of 8), so
 # that a kernel's register tiles fit; a test builds the other width too (`-DVW=...`). With a
-# VW x VW transpose in registers (`transpose`) and the sums of VW rows at once (`row_sums`).
-FLOAT_VECTORS = r"""
+# VW x VW transpose in registers (`transpose`), the sums of VW rows at once (`row_sums`), and
+# e^x on VW lanes for the softmaxes (`exp_v`).
+FLOAT_VECTORS = EXP_REDUCED + r"""
 #include <stdint.h>
 #ifndef VW
 #ifdef __AVX512F__
@@ -227,6 +228,25 @@ static inline vf row_sums(vf *r) {
     FOLD(r, 2, LO2, HI2)
     FOLD(r, 1, LO1, HI1)
     return r[0];
+}
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+/* Lane l: a where mask m is set, else b (not `select`: POSIX has one). */
+static inline vf blend(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
+
+/* e^x on VW lanes as exp_f32 (`EXP_REDUCED`) for x <= 0 (a score less its row's max): below
+   -87 it is e^-87. n = x / ln 2 rounded is read from the bits of x / ln 2 + 1.5 * 2^23 (the
+   flags allow reassociation, so not as that sum less 1.5 * 2^23), and 2^n built in exponent
+   bits. */
+static inline vf exp_v(vf x) {
+    x = blend(x < splat(-87.0f), splat(-87.0f), x);
+    const vf magic = splat(12582912.0f);
+    vf t = x * 1.44269504088896341f + magic;
+    vi ni = (vi)t - (vi)magic;
+    vf n = __builtin_convertvector(ni, vf);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    return EXP_REDUCED(r) * (vf)((ni + 127) << 23);
 }
 """
 
