@@ -1,7 +1,8 @@
 """The CPU decode-attention kernel (`worker.decode_kernel`) on one layer, as a decode step calls it.
 
-B sequences over a shared prefix of P keys (one segment, all their queries) and OWN keys of
-each one's own (a segment each), SmolLM2-135M's heads by default, at contiguous slots of a
+B sequences over a shared prefix of P keys (one segment, all their queries; with `--groups`
+N, N groups of sequences over a prefix each, as a workload of several system prompts) and OWN
+keys of each one's own (a segment each), SmolLM2-135M's heads by default, at contiguous slots of a
 pool. `cold`: `--layers` pools of their own called in turn, as a step walks its layers (what
 the other layers read in between has pushed this one's rows out of the caches); `hot`: one
 layer's pool again and again. Printed: ms per layer (median of `--repeat` rounds) and the KV
@@ -12,6 +13,7 @@ change side by side with the code it changes, on a machine whose speed drifts.
 
     python bench/bench_decode_kernel.py                          # float32, 1 / 8 / 32 sequences
     python bench/bench_decode_kernel.py --dtype bfloat16 --prefix 2048
+    python bench/bench_decode_kernel.py --sequences 32 --groups 4  # 4 prefixes, 8 on each
     python bench/bench_decode_kernel.py --base-tree /tmp/before  # against a checkout
 """
 
@@ -50,14 +52,20 @@ def base_kernel(tree: Path, dtype: torch.dtype) -> decode_kernel.DecodeKernel:
     return decode_kernel.DecodeKernel(library, dtype)
 
 
-def layout(sequences: int, prefix: int, own: int) -> tuple[torch.Tensor, ...]:
-    """slots, segments and members: the shared prefix at slots 0..prefix-1, each sequence's own
-    keys after it."""
-    slots = list(range(prefix))
-    segments = [[0, prefix, 0, sequences]] if prefix else []
-    members = list(range(sequences)) if prefix else []
+def layout(sequences: int, prefix: int, own: int, groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """slots, segments and members: the sequences in `groups` groups (as even as they go), each
+    group's shared prefix at slots of its own (one segment, all its members), each sequence's
+    own keys after all the prefixes (a segment each)."""
+    groups = min(groups, sequences)
+    slots, segments, members = [], [], []
+    if prefix:
+        for g in range(groups):
+            mine = range(g, sequences, groups)
+            segments.append([len(slots), prefix, len(members), len(mine)])
+            members += mine
+            slots += range(g * prefix, (g + 1) * prefix)
     for b in range(sequences):
-        start = prefix + b * own
+        start = groups * prefix + b * own
         segments.append([len(slots), own, len(members), 1])
         members.append(b)
         slots += range(start, start + own)
@@ -69,6 +77,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--sequences", type=int, nargs="*", default=[1, 8, 32])
     parser.add_argument("--prefix", type=int, default=1024, help="shared prefix keys")
+    parser.add_argument(
+        "--groups", type=int, default=1, help="groups of sequences, a prefix each"
+    )
     parser.add_argument("--own", type=int, default=64, help="keys of each sequence's own")
     parser.add_argument("--heads", type=int, nargs=2, default=[9, 3], metavar=("Q", "KV"))
     parser.add_argument("--head-dim", type=int, default=64)
@@ -84,14 +95,14 @@ def main() -> None:
     if args.base_tree is not None:
         kernels["base"] = base_kernel(args.base_tree, dtype)
     heads, kv_heads = args.heads
-    longest = args.prefix + max(args.sequences) * args.own
+    longest = (args.prefix * args.groups) + max(args.sequences) * args.own
     g = torch.Generator().manual_seed(0)
     pools = [
         tuple(torch.randn(longest, kv_heads, args.head_dim, generator=g).to(dtype) for _ in "kv")
         for _ in range(args.layers)
     ]
     for sequences in args.sequences:
-        slots, segments, members = layout(sequences, args.prefix, args.own)
+        slots, segments, members = layout(sequences, args.prefix, args.own, args.groups)
         q = torch.randn(sequences, heads, args.head_dim, generator=g).to(dtype)
         runs = {"cold": pools, "hot": pools[:1] * args.layers}
         times = {(name, run): [] for name in kernels for run in runs}
@@ -114,7 +125,8 @@ def main() -> None:
                 )
                 figures.append(f"ratio {ratio:.2f}x")
             print(
-                f"{sequences:3d} sequences, {args.prefix} + {args.own} keys, {run:4s}: "
+                f"{sequences:3d} sequences in {min(args.groups, sequences)} groups, "
+                f"{args.prefix} + {args.own} keys, {run:4s}: "
                 + ", ".join(figures),
                 flush=True,
             )
