@@ -27,15 +27,20 @@ sequences 0.59x the vdpbf16ps path's time, 4 groups of 8 0.53-0.58x, two sequenc
 one sequence's 3 queries gain nothing (memory-bound) and stay on vdpbf16ps.
 
 Elsewhere, and always over a float32 pool (the dtype of CPUs without bf16 units), the same
-segments and online softmax run on float32 vectors, in blocks of 256 keys, every KV head over a
-block before the next (the first head's pass prefetches whole rows, the others find them in L2),
-in plain C over the compiler's vector types: 16 lanes where the core has AVX-512, 8 elsewhere
-(AVX2 has 16 registers of 8 floats: built at 16 lanes on an AVX2 core, this path took 5-12x as
-long over one layer). A segment of up to 8 queries per KV head takes, per query, the products
-of a vector's width of keys at once, then sums each key's lanes in a tree of shuffles; more (a
-group over its shared prefix) hold a vector's width of queries against each key's dims
-broadcast, as many keys at a time, transposed in registers into the queries' score rows. p @ V
-takes four queries (two at 8 lanes) per pass over a block's value rows.
+segments and online softmax run on float32 vectors, in plain C over the compiler's vector types:
+16 lanes where the core has AVX-512, 8 elsewhere (AVX2 has 16 registers of 8 floats: built at
+16 lanes on an AVX2 core, this path took 5-12x as long over one layer). Keys go in blocks of
+about 192 KB of rows (128 of SmolLM2's in float32, at most 256), every KV head over a block
+before the next, while the rows of the block after it are asked into L2 a few lines at a time
+over the block's work. A segment of up to 8 queries per KV head takes, per query, the products
+of a vector's width of keys at once, then sums each key's lanes in a tree of shuffles, and its
+p @ V takes four queries (two at 8 lanes) per pass over the block's value rows. More (a group
+over its shared prefix) work on vectors of queries: scores of 3 keys against up to 3 vectors of
+queries at a time (each key's dims broadcast), kept keys x queries, so that the softmax runs
+down the keys on vectors of queries and p @ V broadcasts each weight, over the value rows of 32
+keys at a time (in L1) for every query. One layer of SmolLM2's decode over 1k prefixes on a Zen
+3 core, against the layout that transposed the scores into query rows and prefetched from the
+first head's pass: 4 groups of 8 sequences 0.84x, one group of 8 0.91x, of 32 0.94x.
 """
 
 from __future__ import annotations
@@ -59,24 +64,17 @@ SOURCE = "#define _DEFAULT_SOURCE  /* syscall(), for AMX's permission */\n" + (
 #define QB 6     /* queries per register block (G = 3: a sequence's, or two sequences') */
 #define AHEAD 4  /* tiles between a slot's prefetch and its use */
 
-#if defined(__AVX512BF16__) && !defined(ELEM_F32)
-/* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
-   a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
-   the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
-   (one dim of two keys). The unpacks work within 128-bit lanes, so a head's D dims sit in a
-   fixed permuted order (`write_row`): the float32 accumulators keep that order and the output
-   undoes it. */
-
 /* Walks the slots of all segments in order, asking for their K and V rows (every head's)
-   into L2 a few tiles before a tile reads them, across segment boundaries. A tile's share is
-   asked for a few lines at a time, spread over its work: in one burst, hundreds of prefetches
-   stall the core (measured: 10-25% slower cold). */
+   into L2 ahead of their use (a few tiles on the bf16 pair path, a block on the float32 one),
+   across segment boundaries. The share owed is asked for a few lines at a time, spread over
+   the work: in one burst, hundreds of prefetches stall the core (measured: 10-25% slower
+   cold). */
 typedef struct {
     const int64_t *slots, *seg;
     const char *kpool, *vpool;
     int64_t nseg, row;  /* row: bytes of one slot's K (or V), every head */
     int64_t s, t, b;    /* the next line: byte b of the rows of key t of segment s */
-    int64_t due, step;  /* line pairs the current tile still owes; asked for per call */
+    int64_t due, step;  /* line pairs still owed; asked for per call */
 } Prefetcher;
 
 /* Ask for the next n (at most `due`) lines of K and V. */
@@ -104,6 +102,14 @@ static void prefetch(Prefetcher *pf, int64_t n) {
         }
     }
 }
+
+#if defined(__AVX512BF16__) && !defined(ELEM_F32)
+/* Where the AVX512-BF16 pair products are. Keys go by in tiles of KB, every KV head's row of
+   a slot at once: K transposed to pair words [D / 2, KB] per head (two dims of one key) for
+   the scores; V read from the pool rows by p @ V itself and unpacked there into pair words
+   (one dim of two keys). The unpacks work within 128-bit lanes, so a head's D dims sit in a
+   fixed permuted order (`write_row`): the float32 accumulators keep that order and the output
+   undoes it. */
 
 /* out[n * stride + i] = word w0 + n of row i, for 16 rows (bf16 pairs as 32-bit words) and
    the nw <= 16 words from w0: a 16 x 16 transpose in three shuffle stages. */
@@ -508,18 +514,21 @@ int decode_attention(const uint16_t *q, const uint16_t *kpool, const uint16_t *v
 int decode_attention_amx(void) { return 0; }
 
 /* Elsewhere, and for a float32 pool: float32 vectors of VW lanes (`c_library.FLOAT_VECTORS`),
-   keys in softmax blocks of KVS, every KV head over a block before the next block: the first
-   head's pass prefetches each slot's whole rows (every head's K and V), which the other heads
-   then find in L2 (KVS keys of SmolLM2's rows: 384 KB in float32). */
+   keys in softmax blocks of about PF_BYTES of rows, every KV head over a block before the next
+   block, the rows of the block after asked for (`Prefetcher`) over the block's work. */
 """ + c_library.FLOAT_VECTORS + r"""
-#define KVS 256
-#define PF_KEYS 16  /* keys between a row's prefetch and its use */
+#define KVS 256           /* the most keys of a softmax block */
+#define PF_BYTES 196608  /* K and V rows of a block: it and the next one, asked for, fit in L2 */
 #define DOT_QUERIES 8  /* segments of up to this many queries per KV head take dot products */
 #if VW == 16
 #define PV_QUERIES 4  /* queries per pass of p @ V over a block's value rows */
+#define PV_MANY 4     /* the same for many queries (weights keys x queries) */
 #else
 #define PV_QUERIES 2
+#define PV_MANY 2
 #endif
+#define SK 3        /* keys per pass of the many queries' scores */
+#define PV_KEYS 32  /* keys per chunk of the many queries' p @ V */
 /* The largest of p[0..n), n >= 1. */
 static inline float max_of(const float *p, int64_t n) {
     int64_t j = 0;
@@ -537,6 +546,128 @@ static inline float max_of(const float *p, int64_t n) {
     return m;
 }
 
+/* The scores of SK keys (rows k[t], n <= SK of them wanted) against NC vectors of queries
+   (from vector c of qt [D, NV vectors]), each key's dims broadcast against the queries'
+   lanes, into st[t * nqp + ...]: scores keys x queries, as the softmax over many queries and
+   their p @ V read them. */
+static inline __attribute__((always_inline)) void score_keys(
+    int NC, const vf *qtv, int64_t NV, int64_t c, const float *const *k, int64_t n, int64_t D,
+    float *st, int64_t nqp) {
+    vf s[SK][3] = {{{0}}};
+    for (int64_t d = 0; d < D; d++) {
+        vf qv[3];
+        for (int x = 0; x < NC; x++) qv[x] = qtv[d * NV + c + x];
+        for (int t = 0; t < SK; t++) {
+            float kd = k[t][d];
+            for (int x = 0; x < NC; x++) s[t][x] += kd * qv[x];
+        }
+    }
+    for (int t = 0; t < SK; t++)
+        if (t < n)
+            for (int x = 0; x < NC; x++) *(vfu *)(st + t * nqp + (c + x) * VW) = s[t][x];
+}
+
+/* Scores of many queries (qt [D, nqp], transposed, zero past the last) against the nb keys of
+   rows kf[0..nb) into st [nb rows of nqp]: SK keys at a time against up to 3 vectors of
+   queries (their registers and the scores' fit in AVX2's 16), no transposes (the scores stay
+   keys x queries). */
+static void score_many(const float *qt, int64_t nqp, const float *const *kf, int64_t nb,
+                       int64_t D, float *st, Prefetcher *pf) {
+    const vf *qtv = (const vf *)qt;
+    const int64_t NV = nqp / VW;
+    for (int64_t j = 0; j < nb; j += SK) {
+        prefetch(pf, pf->step);
+        const float *k[SK];
+        for (int t = 0; t < SK; t++) k[t] = kf[j + t < nb ? j + t : j];
+        int64_t n = nb - j < SK ? nb - j : SK, c = 0;
+        float *o = st + j * nqp;
+        for (; c + 3 <= NV; c += 3) score_keys(3, qtv, NV, c, k, n, D, o, nqp);
+        if (NV - c == 2) score_keys(2, qtv, NV, c, k, n, D, o, nqp);
+        if (NV - c == 1) score_keys(1, qtv, NV, c, k, n, D, o, nqp);
+    }
+}
+
+/* The online softmax of many queries over a block's scores st [nbk rows of nqp], on vectors
+   of queries: the running max m and sum l [nqp] updated, st turned into the weights (in the
+   pool's precision, summed in float32), corr [nqp]: the factor the accumulators take first. */
+static void softmax_many(float *st, int64_t nbk, int64_t nqp, float *m, float *l, float *corr) {
+    for (int64_t c = 0; c < nqp; c += VW) {
+        vf mb = *(vfu *)(st + c);
+        for (int64_t j = 1; j < nbk; j++) {
+            vf x = *(vfu *)(st + j * nqp + c);
+            mb = blend(x > mb, x, mb);
+        }
+        vf mo = *(vfu *)(m + c), mn = blend(mb > mo, mb, mo), sum = {0};
+        vf cf = exp_v(mo - mn);
+        for (int64_t j = 0; j < nbk; j++) {
+            vfu *p = (vfu *)(st + j * nqp + c);
+            vf e = exp_v(*p - mn);
+            sum += e;
+            *p = e;
+        }
+        *(vfu *)(m + c) = mn;
+        *(vfu *)(l + c) = *(vfu *)(l + c) * cf + sum;
+        *(vfu *)(corr + c) = cf;
+    }
+#ifndef ELEM_F32
+    for (int64_t j = 0; j < nbk; j++)
+        for (int64_t c = 0; c < nqp; c++) st[j * nqp + c] = E_ROUND(st[j * nqp + c]);
+#endif
+}
+
+/* acc_w [NB vectors from dv] += sum_j st[j * nqp + w] * vr[j] [the same] for NW queries
+   (acc_w: aw[w]) over keys j0..j1, each value vector read once for all NW. */
+static inline __attribute__((always_inline)) void weigh_keys(
+    int NW, int NB, const float *st, int64_t nqp, int64_t j0, int64_t j1,
+    const float *const *vr, int64_t dv, vfu *const *aw) {
+    vf x[4][4];
+    for (int w = 0; w < NW; w++)
+        for (int b = 0; b < NB; b++) x[w][b] = aw[w][dv + b];
+    for (int64_t j = j0; j < j1; j++) {
+        const vfu *v = (const vfu *)vr[j] + dv;
+        for (int w = 0; w < NW; w++) {
+            float p = st[j * nqp + w];
+            for (int b = 0; b < NB; b++) x[w][b] += p * v[b];
+        }
+    }
+    for (int w = 0; w < NW; w++)
+        for (int b = 0; b < NB; b++) aw[w][dv + b] = x[w][b];
+}
+
+/* weigh_keys over all DV vectors of dims: four at a time, then the rest. */
+static inline __attribute__((always_inline)) void weigh_dims_f(
+    int NW, const float *st, int64_t nqp, int64_t j0, int64_t j1, const float *const *vr,
+    int64_t DV, vfu *const *aw) {
+    int64_t dv = 0;
+    for (; dv + 4 <= DV; dv += 4) weigh_keys(NW, 4, st, nqp, j0, j1, vr, dv, aw);
+    switch (DV - dv) {
+    case 3: weigh_keys(NW, 3, st, nqp, j0, j1, vr, dv, aw); break;
+    case 2: weigh_keys(NW, 2, st, nqp, j0, j1, vr, dv, aw); break;
+    case 1: weigh_keys(NW, 1, st, nqp, j0, j1, vr, dv, aw); break;
+    }
+}
+
+/* p @ V of many queries over a block: each query's accumulator (aw[i], D / VW vectors) takes
+   corr[i], then the weights st [nbk rows of nqp] times the value rows vr[0..nbk), in chunks of
+   PV_KEYS keys (one head's rows of a chunk stay in L1 while every query passes over them),
+   PV_MANY queries per pass. */
+static void weigh_many(const float *st, int64_t nbk, int64_t nq, int64_t nqp,
+                       const float *const *vr, int64_t DV, vfu *const *aw, const float *corr,
+                       Prefetcher *pf) {
+    for (int64_t i = 0; i < nq; i++)
+        if (corr[i] != 1.0f)
+            for (int64_t dv = 0; dv < DV; dv++) aw[i][dv] *= corr[i];
+    for (int64_t j0 = 0; j0 < nbk; j0 += PV_KEYS) {
+        int64_t j1 = nbk - j0 < PV_KEYS ? nbk : j0 + PV_KEYS;
+        int64_t i = 0;
+        for (; i + PV_MANY <= nq; i += PV_MANY) {
+            prefetch(pf, pf->step);
+            weigh_dims_f(PV_MANY, st + i, nqp, j0, j1, vr, DV, aw + i);
+        }
+        for (; i < nq; i++) weigh_dims_f(1, st + i, nqp, j0, j1, vr, DV, aw + i);
+    }
+}
+
 /* Scores of the nq queries against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]
    (for j up to nb rounded up to VW); each key's rows as float32: K into kf[j] and V into vr[j],
    the pool's own rows (float32 pool) or their copies in kt and vt [KB, D]. The queries come
@@ -544,20 +675,13 @@ static inline float max_of(const float *p, int64_t n) {
    multiple of VW, zero past nq). */
 static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp,
                        const elem_t *kpool, const elem_t *vpool, const int64_t *sl, int64_t nb,
-                       int64_t left, int64_t KVH, int64_t h, int64_t D, float *kt,
-                       const float **vr, float *vt, float *sc) {
+                       int64_t KVH, int64_t h, int64_t D, float *kt, const float **vr,
+                       float *vt, float *sc, Prefetcher *pf) {
     const int64_t DV = D / VW;
     const float *kf[KB];
+    if (nq <= DOT_QUERIES) prefetch(pf, pf->step);  /* (many queries: every SK keys) */
     for (int64_t j = 0; j < KB; j++) {  /* a short tile repeats its first key (unused) */
         int64_t off = (sl[j < nb ? j : 0] * KVH + h) * D;
-        if (h == 0 && j + PF_KEYS < left) {  /* a key PF_KEYS on: memory reads overlap */
-            const char *kp = (const char *)(kpool + sl[j + PF_KEYS] * KVH * D);
-            const char *vp = (const char *)(vpool + sl[j + PF_KEYS] * KVH * D);
-            for (int64_t b = 0; b < KVH * D * (int64_t)sizeof(elem_t); b += 64) {
-                __builtin_prefetch(kp + b, 0, 2);  /* into L2: more misses in flight */
-                __builtin_prefetch(vp + b, 0, 2);
-            }
-        }
 #ifdef ELEM_F32
         kf[j] = kpool + off;
         vr[j] = vpool + off;
@@ -585,23 +709,7 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
             }
         return;
     }
-    /* Many queries: VW at a time in a vector, each key's dims broadcast against them (no
-       transposed copy of K), VW keys per pass over the dims; the VW x VW scores (keys x
-       queries) are transposed in registers into the queries' rows of sc. */
-    const vf *qtv = (const vf *)qt;
-    const int64_t NV = nqp / VW;
-    for (int64_t c = 0; c < NV; c++) {
-        int64_t n = nq - c * VW < VW ? nq - c * VW : VW;
-        for (int64_t j = 0; j < nb; j += VW) {  /* kf[] has KB (a multiple of VW) rows */
-            vf s[VW] = {{0}};
-            for (int64_t d = 0; d < D; d++) {
-                vf qv = qtv[d * NV + c];
-                for (int t = 0; t < VW; t++) s[t] += kf[j + t][d] * qv;
-            }
-            transpose(s);
-            for (int64_t l = 0; l < n; l++) *(vfu *)(sc + (c * VW + l) * KVS + j) = s[l];
-        }
-    }
+    score_many(qt, nqp, kf, nb, D, sc, pf);
 }
 
 /* For NW queries w at once: acc_w [DV vectors] = acc_w * corr_w + sum_j p_w[j] * vr[j], four
@@ -657,25 +765,37 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
     const int64_t tile_floats = KB * D;  /* float32 copies of a tile's key rows */
     const int64_t vt_floats = KVS * D;   /* and of a block's value rows */
 #endif
-    size_t floats = 2 * KVH * max_nq * D + tile_floats + vt_floats + max_nq * KVS;
+    /* qf, qt; kt, vt; sc; the many queries' max and sum per head (ml), and their corr */
+    size_t floats = 2 * KVH * max_nq * D + tile_floats + vt_floats + max_nq * KVS
+                    + 2 * KVH * max_nq + max_nq;
     float *buf = aligned_alloc(64, ((sizeof(float) * floats + 63) / 64) * 64);
     int64_t *rows = malloc(sizeof(int64_t) * KVH * max_nq);
     const float **vr = malloc(sizeof(float *) * KVS);  /* a block's value rows */
-    if (!buf || !rows || !vr) {
+    vfu **accs = malloc(sizeof(vfu *) * KVH * max_nq);  /* the many queries' accumulators */
+    if (!buf || !rows || !vr || !accs) {
         free(buf);
         free(rows);
         free(vr);
+        free(accs);
         return 1;
     }
     float *qf = buf, *qt = qf + KVH * max_nq * D, *kt = qt + KVH * max_nq * D;
     float *vt = kt + tile_floats;
-    float *sc = vt + vt_floats;
+    float *sc = vt + vt_floats;  /* few queries: [nq, KVS]; many: [KVS, nqp] */
+    float *ml = sc + max_nq * KVS, *cf = ml + 2 * KVH * max_nq;
     float *acc = state, *mx = state + B * H * D, *sum = mx + B * H;
     memset(acc, 0, sizeof(float) * B * H * D);
     for (int64_t i = 0; i < B * H; i++) {
         mx[i] = -1e30f;
         sum[i] = 0.0f;
     }
+    const int64_t row = KVH * D * (int64_t)sizeof(elem_t), lines = (row + 63) / 64;
+    int64_t kvs = PF_BYTES / (2 * row) / KB * KB;  /* keys of a block */
+    kvs = kvs < KB ? KB : kvs > KVS ? KVS : kvs;
+    /* the rows of the block after the one being read, spread over its tiles */
+    Prefetcher pf = {slots, seg, (const char *)kpool, (const char *)vpool, nseg, row, 0, 0, 0,
+                     kvs * lines, 0};
+    prefetch(&pf, pf.due);  /* the first block's, at once */
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
         const int64_t *mem = members + seg[4 * s + 2], nq = seg[4 * s + 3] * G;
@@ -687,20 +807,39 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                 rows[h * max_nq + i] = row;
                 for (int64_t d = 0; d < D; d++) qfh[i * D + d] = E_LOAD(q[row * D + d]) * scale;
             }
-            if (nq > DOT_QUERIES)  /* and transposed, zero past nq */
+            if (nq > DOT_QUERIES) {  /* and transposed, zero past nq; their max and sum */
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t i = 0; i < nqp; i++)
                         qth[d * nqp + i] = i < nq ? qfh[i * D + d] : 0.0f;
+                float *m = ml + 2 * h * max_nq, *l = m + max_nq;
+                for (int64_t i = 0; i < nqp; i++) {
+                    int64_t row = rows[h * max_nq + (i < nq ? i : 0)];
+                    m[i] = i < nq ? mx[row] : -1e30f;
+                    l[i] = i < nq ? sum[row] : 0.0f;
+                    accs[h * max_nq + i] = (vfu *)(acc + row * D);
+                }
+            }
         }
-        for (int64_t b0 = 0; b0 < nkeys; b0 += KVS) {
-            int64_t nbk = nkeys - b0 < KVS ? nkeys - b0 : KVS;
-            for (int64_t h = 0; h < KVH; h++) {  /* head 0 asks for the block's whole rows */
+        for (int64_t b0 = 0; b0 < nkeys; b0 += kvs) {
+            int64_t nbk = nkeys - b0 < kvs ? nkeys - b0 : kvs, tiles = (nbk + KB - 1) / KB;
+            int64_t calls = KVH * (nq <= DOT_QUERIES ? tiles  /* prefetch calls in the block */
+                                   : tiles * ((KB + SK - 1) / SK)
+                                         + (nbk + PV_KEYS - 1) / PV_KEYS * (nq / PV_MANY));
+            pf.due += nbk * lines;
+            pf.step = (pf.due + calls - 1) / calls;
+            for (int64_t h = 0; h < KVH; h++) {
                 const float *qfh = qf + h * max_nq * D, *qth = qt + h * max_nq * D;
                 const int64_t *rh = rows + h * max_nq;
                 for (int64_t t0 = 0; t0 < nbk; t0 += KB)
                     score_tile(qfh, qth, nq, nqp, kpool, vpool, sl + b0 + t0,
-                               nbk - t0 < KB ? nbk - t0 : KB, nkeys - b0 - t0, KVH, h, D,
-                               kt, vr + t0, vt + t0 * D, sc + t0);
+                               nbk - t0 < KB ? nbk - t0 : KB, KVH, h, D, kt, vr + t0,
+                               vt + t0 * D, nq > DOT_QUERIES ? sc + t0 * nqp : sc + t0, &pf);
+                if (nq > DOT_QUERIES) {  /* on vectors of queries */
+                    float *m = ml + 2 * h * max_nq;
+                    softmax_many(sc, nbk, nqp, m, m + max_nq, cf);
+                    weigh_many(sc, nbk, nq, nqp, vr, D / VW, accs + h * max_nq, cf, &pf);
+                    continue;
+                }
                 float *pw[PV_QUERIES], cw[PV_QUERIES];  /* p @ V PV_QUERIES at a time */
                 vfu *aw[PV_QUERIES];
                 int nw = 0;
@@ -740,6 +879,13 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
                     weigh_values1(pw + w, nbk, vr, D / VW, aw + w, cw + w);
             }
         }
+        if (nq > DOT_QUERIES)  /* the many queries' max and sum back to their rows */
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t i = 0; i < nq; i++) {
+                    int64_t row = rows[h * max_nq + i];
+                    mx[row] = ml[2 * h * max_nq + i];
+                    sum[row] = ml[(2 * h + 1) * max_nq + i];
+                }
     }
     for (int64_t i = 0; i < B * H; i++) {
         float inv = 1.0f / sum[i];
@@ -748,6 +894,7 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
     free(buf);
     free(rows);
     free(vr);
+    free(accs);
     return 0;
 }
 #endif
