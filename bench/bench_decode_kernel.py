@@ -9,12 +9,17 @@ layer's pool again and again. Printed: ms per layer (median of `--repeat` rounds
 bytes read per second. With `--base-tree DIR` the same calls also go to another checkout's
 kernel (its `worker/decode_kernel.py` source, built beside this tree's; the ctypes signature
 must be this tree's), the two alternating within each round, and the ratio is printed: a
-change side by side with the code it changes, on a machine whose speed drifts.
+change side by side with the code it changes, on a machine whose speed drifts. With `--model
+DIR` the kernels serve whole decode steps of an engine instead (the model's own heads; random
+prompts of the same shape, prefilled first), each kernel one step in turn: what a kernel's
+change does to a step, next to the linears and everything else a step does.
 
     python bench/bench_decode_kernel.py                          # float32, 1 / 8 / 32 sequences
     python bench/bench_decode_kernel.py --dtype bfloat16 --prefix 2048
     python bench/bench_decode_kernel.py --sequences 32 --groups 4  # 4 prefixes, 8 on each
     python bench/bench_decode_kernel.py --base-tree /tmp/before  # against a checkout
+    python bench/bench_decode_kernel.py --base-tree /tmp/before --model DIR --sequences 32 \
+        --groups 4                                               # in an engine's steps
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30, help="pools called in turn (cold)")
     parser.add_argument("--repeat", type=int, default=12)
     parser.add_argument("--base-tree", type=Path, default=None)
+    parser.add_argument(
+        "--model", default=None, help="time whole decode steps of an engine on this model"
+    )
+    parser.add_argument("--steps", type=int, default=30, help="with --model: steps per kernel")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
@@ -94,6 +103,14 @@ def main() -> None:
         raise SystemExit("the kernel does not build here (no C compiler?)")
     if args.base_tree is not None:
         kernels["base"] = base_kernel(args.base_tree, dtype)
+    if args.model is not None:
+        engine_steps(args, kernels)
+    else:
+        layer_calls(args, kernels, dtype)
+
+
+def layer_calls(args: argparse.Namespace, kernels: dict, dtype: torch.dtype) -> None:
+    """The kernels over one layer's pools of random K/V, cold and hot."""
     heads, kv_heads = args.heads
     longest = (args.prefix * args.groups) + max(args.sequences) * args.own
     g = torch.Generator().manual_seed(0)
@@ -131,6 +148,58 @@ def main() -> None:
                 flush=True,
             )
 
+
+
+def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
+    """The kernels in an engine's decode steps (`--model`): the sequences' prompts are random
+    token ids (a prefix per group, then each one's own), prefilled; then each kernel in turn
+    serves one whole step, `--steps` rounds, the native backend's kernel swapped between steps
+    (what `decode_kernel.load` hands it). Printed: the median step of each, and the ratio."""
+    from worker import attention_native
+    from worker.engine import Engine, EngineConfig
+    from worker.protocol import GenerateRequest, SamplingParams
+
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, seed=0))
+    vocab = engine.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> list[int]:
+        return torch.randint(vocab, (n,), generator=gen).tolist()
+
+    load = attention_native.decode_kernel.load
+    for sequences in args.sequences:
+        groups = min(args.groups, sequences)
+        prefixes = [words(args.prefix) for _ in range(groups)]
+        sp = SamplingParams(
+            max_tokens=len(kernels) * args.steps + 2, temperature=0.0, ignore_eos=True
+        )
+        for b in range(sequences):
+            prompt = prefixes[b % groups] + words(args.own)
+            engine.add_request(GenerateRequest(f"steps{sequences}-{b}", prompt, sp))
+        running = engine.scheduler.running
+        while engine.scheduler.waiting or any(r.num_computed < len(r.tokens) - 1 for r in running):
+            engine.step()  # prefill (chunked) until every request decodes
+        times = {name: [] for name in kernels}
+        try:
+            for _ in range(args.steps):
+                for name, kernel in kernels.items():
+                    attention_native.decode_kernel.load = lambda dtype=None, k=kernel: k
+                    start = time.perf_counter()
+                    engine.step()
+                    times[name].append(time.perf_counter() - start)
+        finally:
+            attention_native.decode_kernel.load = load
+        while engine.has_work():
+            engine.step()
+        figures = [f"{name} {statistics.median(t) * 1e3:6.1f} ms" for name, t in times.items()]
+        if len(kernels) == 2:
+            ratio = statistics.median(times["this tree"]) / statistics.median(times["base"])
+            figures.append(f"ratio {ratio:.3f}x")
+        print(
+            f"{sequences:3d} sequences in {groups} groups, {args.prefix} + {args.own} tokens, "
+            f"decode step (median of {args.steps}): " + ", ".join(figures),
+            flush=True,
+        )
 
 if __name__ == "__main__":
     main()
