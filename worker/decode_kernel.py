@@ -789,12 +789,12 @@ int decode_attention(const elem_t *q, const elem_t *kpool, const elem_t *vpool,
         mx[i] = -1e30f;
         sum[i] = 0.0f;
     }
-    const int64_t row = KVH * D * (int64_t)sizeof(elem_t), lines = (row + 63) / 64;
-    int64_t kvs = PF_BYTES / (2 * row) / KB * KB;  /* keys of a block */
+    const int64_t row_bytes = KVH * D * (int64_t)sizeof(elem_t), lines = (row_bytes + 63) / 64;
+    int64_t kvs = PF_BYTES / (2 * row_bytes) / KB * KB;  /* keys of a block */
     kvs = kvs < KB ? KB : kvs > KVS ? KVS : kvs;
-    /* the rows of the block after the one being read, spread over its tiles */
-    Prefetcher pf = {slots, seg, (const char *)kpool, (const char *)vpool, nseg, row, 0, 0, 0,
-                     kvs * lines, 0};
+    /* the rows of the block after the one being read, spread over its work */
+    Prefetcher pf = {slots, seg, (const char *)kpool, (const char *)vpool, nseg, row_bytes,
+                     0, 0, 0, kvs * lines, 0};
     prefetch(&pf, pf.due);  /* the first block's, at once */
     for (int64_t s = 0; s < nseg; s++) {
         const int64_t *sl = slots + seg[4 * s], nkeys = seg[4 * s + 1];
