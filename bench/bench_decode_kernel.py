@@ -149,7 +149,6 @@ def layer_calls(args: argparse.Namespace, kernels: dict, dtype: torch.dtype) -> 
             )
 
 
-
 def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
     """The kernels in an engine's decode steps (`--model`): the sequences' prompts are random
     token ids (a prefix per group, then each one's own), prefilled; then each kernel in turn
@@ -200,6 +199,7 @@ def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
             f"decode step (median of {args.steps}): " + ", ".join(figures),
             flush=True,
         )
+
 
 if __name__ == "__main__":
     main()

@@ -668,8 +668,9 @@ static void weigh_many(const float *st, int64_t nbk, int64_t nq, int64_t nqp,
     }
 }
 
-/* Scores of the nq queries against nb <= KB keys at slots sl, head h, into sc[i * KVS + j]
-   (for j up to nb rounded up to VW); each key's rows as float32: K into kf[j] and V into vr[j],
+/* Scores of the nq queries against nb <= KB keys at slots sl, head h: up to DOT_QUERIES into
+   sc[i * KVS + j] (for j up to nb rounded up to VW), more keys x queries into sc[j * nqp + i]
+   (`score_many`); each key's rows as float32: K into kf[j] and V into vr[j],
    the pool's own rows (float32 pool) or their copies in kt and vt [KB, D]. The queries come
    scaled, as rows qf [nq, D] and, where nq > DOT_QUERIES, transposed as qt [D, nqp] (nqp a
    multiple of VW, zero past nq). */
