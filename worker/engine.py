@@ -31,7 +31,7 @@ from worker.heap import retain_freed_memory
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
 from worker.model_runner import ModelRunner, PassInputs
-from worker.models.loader import resolve_dtype
+from worker.models.loader import quantized_linears, resolve_dtype
 from worker.models.packed import pack_linears
 from worker.protocol import GenerateRequest, SamplingParams, TokenChunk, WorkerStats
 from worker.request import Request, Status
@@ -73,6 +73,10 @@ class EngineConfig:
     # CPU bfloat16/float16/float32: linears through oneDNN with weights packed once at load
     # (faster at decode sizes; see worker.models.packed), eager and compiled
     pack_weights: bool = True
+    # CPU float32, packed weights: linears that the model's GGUF stores as Q4_0/Q4_1/Q8_0
+    # blocks read the blocks over a few rows (the float32 path's bits from ~1/5 of the bytes:
+    # worker.models.quant_gemm)
+    gguf_blocks: bool = True
     # schedule step N+1 while the forward pass of step N runs (module docstring); off by
     # default: on a CPU the scheduling is a few % of a step (docs/engine.md)
     overlap: bool = False
@@ -117,7 +121,8 @@ class Engine:
         self.runner = ModelRunner(config.model, self.device, dtype, attention)
         self.model = self.runner.model
         if config.pack_weights:
-            pack_linears(self.model)
+            blocks = quantized_linears(config.model, self.model) if config.gguf_blocks else {}
+            pack_linears(self.model, blocks)
         if config.compile:
             compile_model(self.model)
         if self.device.type == "cpu":  # activations live in host memory: keep their pages

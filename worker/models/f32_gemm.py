@@ -28,7 +28,7 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import FewRowsLinear, output_groups, rows_won
+from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear, output_groups, rows_won
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,8 @@ MAX_ROWS = 32  # up to this many rows a linear takes this kernel; more go to one
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, MAX_ROWS)  # the row counts `calibrate` times
 CALIBRATION_BYTES = 64 << 20  # of distinct weights `calibrate` streams: more than a core's cache
 
-SOURCE = r"""
+SOURCE = (
+    r"""
 #include <stdint.h>
 /* VW floats a vector: 16 where the core has AVX-512, 8 elsewhere (a test builds the other
    width with -DVW). A group of GROUP outputs is NB vectors; a block of up to TILE rows shares
@@ -65,23 +66,9 @@ SOURCE = r"""
 #define GANG 4
 #define GANG_OF(n) ((n) * NB >= 8 ? 1 : 8 / ((n) * NB) > GANG ? GANG : 8 / ((n) * NB))
 typedef float vf __attribute__((vector_size(4 * VW)));
-/* acc + a * b in one rounding, always: left to -ffp-contract, GCC made one of the blocks
-   below a multiply and an add (other bits than the fused blocks beside it). The x86
-   intrinsic where the core has it at this width, else fmaf a lane (vectorised where it can).
-   GCC does not reassociate fused multiply-adds either (-fassociative-math), so every sum runs
-   over the inputs in order and a row's result does not depend on the rows beside it. */
-#if VW == 16 && defined(__AVX512F__)
-#include <immintrin.h>
-#define FMA(acc, a, b) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
-#elif VW == 8 && defined(__FMA__)
-#include <immintrin.h>
-#define FMA(acc, a, b) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
-#else
-static inline vf FMA(vf acc, vf a, vf b) {
-    for (int l = 0; l < VW; l++) acc[l] = __builtin_fmaf(a[l], b[l], acc[l]);
-    return acc;
-}
-#endif
+"""
+    + C_SUMS
+    + r"""
 #define PF_BYTES 4096  /* software prefetch this far ahead in a group's weights */
 
 int f32_group(void) { return GROUP; }
@@ -113,51 +100,13 @@ static inline __attribute__((always_inline)) void rows_block(
             }
         }
     }
-    for (int g = 0; g < ng; g++) {
-        int64_t first = (g0 + g) * GROUP, valid = o - first < GROUP ? o - first : GROUP;
-        for (int i = 0; i < n; i++) {
-            const float *s = (const float *)acc[g][i];
-            for (int64_t j = 0; j < valid; j++)
-                out[i * o + first + j] = s[j] + (bias ? bias[first + j] : 0.0f);
-        }
-    }
+    store_sums(acc, g0, ng, n, bias, out, o);
 }
 
-#define BLOCK(N)                                                                 \
-    case N:                                                                      \
-        if (ng == 1) rows_block(xr, k, w, g, 1, N, bias, dst, o);                \
-        else rows_block(xr, k, w, g, GANG_OF(N), N, bias, dst, o);               \
-        break;
-
-/* out[rows, o] = x[rows, k] . w^T (+ bias): x float32 row-major, w packed as
-   [ceil(o/GROUP)][k][GROUP] float32 (outputs past o are zero), bias float32 [o] or NULL. The
-   rows go in blocks as even as TILE allows (8 rows at TILE 6: 4 + 4, not 6 + 2, whose 2-row
-   pass has fewer sums in flight), each block over GANG groups at a time (from the cache for
-   the blocks after the first). */
-void f32_linear(const float *x, const float *w, const float *bias, float *out, int64_t rows,
-                int64_t k, int64_t o) {
-    int64_t groups = (o + GROUP - 1) / GROUP, blocks = (rows + TILE - 1) / TILE;
-    for (int64_t gang = 0; gang < groups; gang += GANG) {
-        int64_t end = gang + GANG < groups ? gang + GANG : groups;
-        for (int64_t blk = 0, r = 0; blk < blocks; blk++) {
-            int64_t left = blocks - blk, n = (rows - r + left - 1) / left;
-            const float *xr = x + r * k;
-            float *dst = out + r * o;
-            for (int64_t g = gang; g < end;) {
-                int ng = g + GANG_OF(n) <= end ? GANG_OF(n) : 1;
-                switch (n) {
-                    BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
-#if TILE > 6
-                    BLOCK(7) BLOCK(8)
-#endif
-                }
-                g += ng;
-            }
-            r += n;
-        }
-    }
-}
+#define LINEAR f32_linear
 """
+    + C_DRIVER
+)
 
 
 class F32Gemm(FewRowsLinear):

@@ -17,6 +17,80 @@ from contextlib import contextmanager
 
 import torch
 
+# C shared by the float32-summing kernels' sources (`f32_gemm`, `quant_gemm`), which define VW
+# (floats a vector), `vf` (its type), GROUP outputs a group in NB vectors, blocks of up to TILE
+# rows over up to GANG groups at once (GANG_OF(n) for a block of n rows), and before
+# `C_DRIVER` `rows_block` (n rows against ng groups) and LINEAR (the exported name). Every
+# output is one float32 sum of fused multiply-adds over the inputs in order, then the bias:
+# whatever the kernel and the layout of its weight, the same weights give the same bits.
+C_SUMS = r"""
+/* acc + a * b in one rounding, always: left to -ffp-contract, GCC made one of f32_gemm's row
+   blocks a multiply and an add (other bits than the fused blocks beside it). The x86
+   intrinsic where the core has it at this width, else fmaf a lane (vectorised where it can).
+   GCC does not reassociate fused multiply-adds either (-fassociative-math), so every sum runs
+   over the inputs in order and a row's result does not depend on the rows beside it. */
+#if VW == 16 && defined(__AVX512F__)
+#include <immintrin.h>
+#define FMA(acc, a, b) ((vf)_mm512_fmadd_ps((__m512)(a), (__m512)(b), (__m512)(acc)))
+#elif VW == 8 && defined(__FMA__)
+#include <immintrin.h>
+#define FMA(acc, a, b) ((vf)_mm256_fmadd_ps((__m256)(a), (__m256)(b), (__m256)(acc)))
+#else
+static inline vf FMA(vf acc, vf a, vf b) {
+    for (int l = 0; l < VW; l++) acc[l] = __builtin_fmaf(a[l], b[l], acc[l]);
+    return acc;
+}
+#endif
+/* each of n rows' sums of ng groups from g0 (the outputs below o), plus the bias, to out */
+static inline __attribute__((always_inline)) void store_sums(
+    vf acc[GANG][TILE][NB], int64_t g0, int ng, int n, const float *bias, float *out, int64_t o) {
+    for (int g = 0; g < ng; g++) {
+        int64_t first = (g0 + g) * GROUP, valid = o - first < GROUP ? o - first : GROUP;
+        for (int i = 0; i < n; i++) {
+            const float *s = (const float *)acc[g][i];
+            for (int64_t j = 0; j < valid; j++)
+                out[i * o + first + j] = s[j] + (bias ? bias[first + j] : 0.0f);
+        }
+    }
+}
+"""
+C_DRIVER = r"""
+#define BLOCK(N)                                                                 \
+    case N:                                                                      \
+        if (ng == 1) rows_block(xr, k, w, g, 1, N, bias, dst, o);                \
+        else rows_block(xr, k, w, g, GANG_OF(N), N, bias, dst, o);               \
+        break;
+
+/* out[rows, o] = x[rows, k] . w^T (+ bias): x float32 row-major, w packed in groups of
+   GROUP outputs as the source says (outputs past o are zero), bias float32 [o] or NULL. The
+   rows go in blocks as even as TILE allows (8 rows at TILE 6: 4 + 4, not 6 + 2, whose 2-row
+   pass has fewer sums in flight), each block over GANG groups at a time (from the cache for
+   the blocks after the first). */
+void LINEAR(const float *x, const float *w, const float *bias, float *out, int64_t rows,
+            int64_t k, int64_t o) {
+    int64_t groups = (o + GROUP - 1) / GROUP, blocks = (rows + TILE - 1) / TILE;
+    for (int64_t gang = 0; gang < groups; gang += GANG) {
+        int64_t end = gang + GANG < groups ? gang + GANG : groups;
+        for (int64_t blk = 0, r = 0; blk < blocks; blk++) {
+            int64_t left = blocks - blk, n = (rows - r + left - 1) / left;
+            const float *xr = x + r * k;
+            float *dst = out + r * o;
+            for (int64_t g = gang; g < end;) {
+                int ng = g + GANG_OF(n) <= end ? GANG_OF(n) : 1;
+                switch (n) {
+                    BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
+#if TILE > 6
+                    BLOCK(7) BLOCK(8)
+#endif
+                }
+                g += ng;
+            }
+            r += n;
+        }
+    }
+}
+"""
+
 
 class FewRowsLinear:
     """A loaded kernel: `__call__` is the linear over a weight its module's `pack` made."""

@@ -9,6 +9,9 @@ the GGUF straight to safetensors.
 
 llama.cpp stores the q and k projections of `llama` models with the rows of each head
 interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
+
+`quantized_tensors` reads the linears' blocks as the file stores them (Q4_0, Q4_1, Q8_0:
+`Blocks`), for the kernel that computes from them (`worker.models.quant_gemm`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +31,7 @@ from safetensors.torch import save_file
 
 ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
 SHARD_BYTES = 2 << 30  # float32 shards of at most ~2 GiB, listed in model.safetensors.index.json
+BLOCK = 32  # inputs a block of the quantized types `Blocks` reads
 
 # GGUF tensor name inside block N -> HF name inside `model.layers.N.`
 _LAYER_NAMES = {
@@ -91,6 +96,26 @@ def hf_tensors(
         yield name, torch.from_numpy(np.array(array, dtype=np.float32, order="C"))  # a copy
 
 
+def quantized_tensors(
+    gguf_file: str | Path, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, Blocks]]:
+    """(HF name, blocks) for every 2-d tensor of a `llama` GGUF stored as Q4_0, Q4_1 or Q8_0,
+    q/k rows in HF order (`hf_tensors`' tensors are these blocks' `dense()`)."""
+    for t in GGUFReader(gguf_file).tensors:
+        if len(t.shape) != 2:
+            continue
+        shape = (int(t.shape[1]), int(t.shape[0]))
+        blocks = blocks_from_raw(t.tensor_type.name, t.data, shape)
+        if blocks is None:
+            continue
+        name = _hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            blocks = blocks.rows(_unpermute(np.arange(shape[0]), num_heads))
+        elif name.endswith("k_proj.weight"):
+            blocks = blocks.rows(_unpermute(np.arange(shape[0]), num_kv_heads))
+        yield name, blocks
+
+
 def _hf_name(gguf_name: str) -> str:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
@@ -104,6 +129,64 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of a q or k projection (rows = heads x dim)."""
     half = weight.shape[0] // heads // 2
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [O, K] as quantized blocks of 32 inputs: `q` [O, K] the quants (uint8 0..15 at
+    4 bits, int8 at 8), `d` and `m` [O, K / 32] float32 (m None at 8 bits, where it is 0)."""
+
+    bits: int
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weights: d * q + m (d * q is exact, so this is fma's one rounding)."""
+        d = np.repeat(self.d, BLOCK, axis=1)
+        w = self.q.astype(np.float32) * d
+        if self.m is not None:
+            w += np.repeat(self.m, BLOCK, axis=1)
+        return torch.from_numpy(w)
+
+    def rows(self, rows: np.ndarray) -> Blocks:
+        """These blocks with their output rows reordered (`rows` indexes them)."""
+        m = self.m[rows] if self.m is not None else None
+        return Blocks(self.bits, self.q[rows], self.d[rows], m)
+
+    @staticmethod
+    def stack(parts: list[Blocks]) -> Blocks | None:
+        """Parts' rows one after the other (a fused weight); None if their bits differ."""
+        if len({p.bits for p in parts}) != 1:
+            return None
+        q = np.concatenate([p.q for p in parts])
+        d = np.concatenate([p.d for p in parts])
+        m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
+        return Blocks(parts[0].bits, q, d, m)
+
+
+def blocks_from_raw(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:
+    """The blocks of a GGUF tensor of type `type_name` ("Q4_0", "Q4_1", "Q8_0"; None for any
+    other) from its raw bytes, as a weight of `shape` [O, K]."""
+    o, k = shape
+    layouts = {"Q4_0": (18, 0), "Q4_1": (20, 2), "Q8_0": (34, 0)}  # block bytes, m's bytes
+    if type_name not in layouts or k % BLOCK:
+        return None
+    size, m_bytes = layouts[type_name]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(o, k // BLOCK, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    quants = blocks[..., 2 + m_bytes :]
+    if type_name == "Q8_0":
+        return Blocks(8, quants.copy().view(np.int8).reshape(o, k), d, None)
+    q = np.concatenate([quants & 15, quants >> 4], axis=-1).reshape(o, k)  # low nibbles first
+    if type_name == "Q4_0":  # d * (q - 8) = fma(q, d, -8d): -8d and the sum are exact
+        return Blocks(4, q, d, -8.0 * d)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    return Blocks(4, q, d, m)
 
 
 def _save_shards(tensors: Iterator[tuple[str, torch.Tensor]], dest: Path) -> None:

@@ -271,6 +271,10 @@ class CausalLM(nn.Module):
             loaded.add(name if start is None else f"{name}@{start}")
         self._check_loaded(loaded)
 
+    def parameter_rows(self, hf_name: str) -> tuple[str, int | None] | None:
+        """(our parameter name, row offset in it or None) of an HF tensor; None: not ours."""
+        return _fused_target(hf_name, self.config)
+
     def _check_loaded(self, loaded: set[str]) -> None:
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         if tied and "lm_head.weight" not in loaded:

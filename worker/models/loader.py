@@ -3,12 +3,16 @@
 Weights may be one `model.safetensors`, shards listed by `model.safetensors.index.json`, or
 (older checkpoints) `pytorch_model*.bin`. Tensors are cast to the model dtype as they are read,
 so a bf16 checkpoint loads as fp32 and the other way round.
+
+A model made from a GGUF also has its linears' quantized blocks (`quantized_linears`), for the
+kernel that reads them instead of the float32 weights (`worker.models.quant_gemm`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +21,10 @@ from safetensors import safe_open
 
 from worker.models.builtin import resolve_model
 from worker.models.config import ModelConfig
+from worker.models.gguf import Blocks, quantized_tensors
 from worker.models.llama import CausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def cpu_has_bf16() -> bool:
@@ -123,3 +130,42 @@ def iter_weights(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+
+
+def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Blocks]:
+    """Parameter name -> quantized blocks, for each float32 linear weight of `model` (loaded
+    from `model_path`) that its GGUF stores as blocks: `model_path` a `.gguf` file, or a model
+    directory holding one GGUF (as a fetched model's keeps the file it was made from). Empty
+    where there is none. Fused weights (qkv, gate_up) take their parts' blocks stacked; a
+    weight whose blocks do not give its float32 values bit for bit (a directory not made from
+    that GGUF) is left out, with a warning."""
+    path = Path(model_path).expanduser()
+    if path.suffix != ".gguf":
+        candidates = sorted(resolve_model(str(model_path)).glob("*.gguf"))
+        if len(candidates) != 1:
+            return {}
+        path = candidates[0]
+    config = model.config
+    if config.dtype != torch.float32 or not path.is_file():
+        return {}
+    parts: dict[str, list[tuple[int, Blocks]]] = {}
+    for hf_name, blocks in quantized_tensors(path, config.num_heads, config.num_kv_heads):
+        target = model.parameter_rows(hf_name)
+        if target is not None:
+            name, start = target
+            parts.setdefault(name, []).append((start or 0, blocks))
+    if config.tie_word_embeddings and "lm_head.weight" not in parts:
+        parts["lm_head.weight"] = parts.get("embed_tokens.weight", [])
+    params = dict(model.named_parameters(remove_duplicate=False))
+    found: dict[str, Blocks] = {}
+    for name, pieces in parts.items():
+        ordered = [b for _, b in sorted(pieces, key=lambda p: p[0])]
+        blocks = Blocks.stack(ordered) if ordered else None
+        param = params.get(name)
+        if blocks is None or param is None or blocks.shape != tuple(param.shape):
+            continue  # not a linear, or a fused one with parts of other types
+        if not torch.equal(blocks.dense(), param.detach()):
+            logger.warning("%s: the blocks in %s are not its weights; float32 path", name, path)
+            continue
+        found[name] = blocks
+    return found

@@ -17,19 +17,23 @@ AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
 copy of the weight, packed for it, faster than oneDNN reads its own at those sizes; more rows,
 or more threads (oneDNN uses them all, the C loops one), stay on oneDNN. A dtype oneDNN cannot
 reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain weights.
+A float32 weight that the model's GGUF stores as quantized blocks (`pack_linears`' `quantized`)
+goes, over a few rows, through `worker.models.quant_gemm` instead, which reads the blocks and
+gives `f32_gemm`'s bits.
 
 Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
-(`module.packed` and `module.few_rows`, the price: two more copies of the linear weights in
-memory) and are found by the dense weight's address in a registry. So the model's functions
-take plain tensors only, which `torch.compile` needs (an mkldnn tensor cannot be a graph
-input): under compile the linear is the custom op `radixray::packed_linear`, opaque to
-inductor, which fuses the norms, RoPE, SwiGLU and residual adds around it; the op finds the
-packed weights at run time.
+(`module.packed`, `module.few_rows` and `module.quantized`, the price: two more copies of the
+linear weights in memory, and their blocks) and are found by the dense weight's address in a
+registry. So the model's functions take plain tensors only, which `torch.compile` needs (an
+mkldnn tensor cannot be a graph input): under compile the linear is the custom op
+`radixray::packed_linear`, opaque to inductor, which fuses the norms, RoPE, SwiGLU and residual
+adds around it; the op finds the packed weights at run time.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from functools import cache
 from typing import NamedTuple
 
@@ -39,6 +43,8 @@ from torch import nn
 
 import worker.models.f32_gemm as f32_gemm
 import worker.models.pair_gemm as pair_gemm
+import worker.models.quant_gemm as quant_gemm
+from worker.models.gguf import Blocks
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per dtype, the C kernel for linears over a few rows on one thread: `can_pack(weight, bias)`,
@@ -51,6 +57,7 @@ class _Packed(NamedTuple):
     owner: weakref.ref  # the dense weight, weakly
     onednn: torch.Tensor  # oneDNN's blocked layout
     few_rows: torch.Tensor | None  # the `FEW_ROWS` kernel's layout, where one serves
+    quantized: tuple[quant_gemm.QuantGemm, torch.Tensor] | None  # its blocks' kernel, layout
 
 
 # dense weight's data_ptr -> its packed copies. An entry counts only while its dense weight
@@ -83,11 +90,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, quantized: Mapping[str, Blocks] | None = None) -> int:
     """Give every `nn.Linear` of `model` whose weight `can_pack` a `packed` weight, found by
-    `linear` from the dense one; returns how many got one."""
+    `linear` from the dense one; returns how many got one. `quantized` (parameter name ->
+    blocks: `loader.quantized_linears`) gives float32 weights their blocks' kernel too."""
+    quantized = quantized or {}
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and can_pack(module.weight):
             weight = module.weight.detach()
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
@@ -98,11 +107,21 @@ def pack_linears(model: nn.Module) -> int:
                 and kernel.load() is not None
             )
             module.few_rows = kernel.pack(weight) if serves else None
+            key = f"{name}.weight" if name else "weight"  # the parameter's name in `model`
+            module.quantized = _quantized(quantized.get(key), weight, module.bias)
             ptr = weight.data_ptr()
             owner = weakref.ref(module.weight, _forget(ptr))
-            _REGISTRY[ptr] = _Packed(owner, module.packed, module.few_rows)
+            _REGISTRY[ptr] = _Packed(owner, module.packed, module.few_rows, module.quantized)
             count += 1
     return count
+
+
+def _quantized(blocks: Blocks | None, weight: torch.Tensor, bias: torch.Tensor | None):
+    """(kernel, layout) for a float32 `weight` given as `blocks`, where their kernel serves."""
+    if blocks is None or weight.dtype != torch.float32 or not quant_gemm.can_pack(blocks, bias):
+        return None
+    kernel = quant_gemm.load(blocks.bits)
+    return (kernel, kernel.pack(blocks)) if kernel is not None else None
 
 
 def _forget(ptr: int):
@@ -146,6 +165,10 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     entry = _entry(weight)
     if entry is None:
         return F.linear(x, weight, bias)
+    if entry.quantized is not None and x.dtype == torch.float32:
+        kernel, blocks = entry.quantized
+        if x.numel() <= kernel.max_rows * x.shape[-1] and torch.get_num_threads() == 1:
+            return kernel(x, blocks, bias, weight.shape[0])
     module = FEW_ROWS.get(x.dtype) if entry.few_rows is not None else None
     kernel = module.load() if module is not None else None
     if (

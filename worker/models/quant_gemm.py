@@ -1,0 +1,251 @@
+"""float32 linears over a few rows whose weights are read as a GGUF stores them (Q4_0, Q4_1,
+Q8_0 blocks), each weight recomputed in registers with the bits the GGUF's dequantizer gives.
+
+A GGUF model's float32 weights are its quantized blocks dequantized (`worker.models.gguf`):
+every weight of a block of 32 inputs is d * q + m, with d and m float16 and q a 4-bit (Q4_1;
+Q4_0 is q - 8, so m = -8d) or 8-bit (Q8_0, m = 0) integer. d * q is exact in float32 (an 11-bit
+significand times at most 8 bits), so one fused multiply-add, fma(q, d, m), rounds it once as
+the `gguf` package's numpy `d * q + m` does: the same float32 weight. A decode step over one
+request reads each weight once and does two flops with it, so the float32 weights (540 MB a
+step for SmolLM2-135M) bound it by memory; their blocks are 0.75 bytes a weight in this
+layout (4-bit) or 1.125 (8-bit).
+
+The layout (`pack`) is `f32_gemm`'s, groups of VW outputs (one vector), over blocks of 32
+inputs: a block of a group is d and m as float32 vectors (m absent at 8 bits), then the quants
+as 32-bit lanes, one lane an output: at 4 bits 8 inputs a lane (input i of the 8 in bits 4i),
+at 8 bits 4 (input i in byte i). Each input's VW weights come out of a shift, a mask, a
+conversion and the fused multiply-add, and go into the rows' sums as `f32_gemm`'s do: one
+float32 sum of fused multiply-adds over the inputs in order (`few_rows.C_SUMS`), so a linear
+here gives the bits `f32_gemm` gives over the dequantized weight.
+
+`linear` takes this kernel (`packed.QUANTIZED`) for a weight whose blocks the engine loaded
+from the model's GGUF (`loader.quantized_linears`, which checks each against the dense weight),
+up to the rows where it beat the float32 path at load (`calibrate`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import cache
+
+import numpy as np
+import torch
+
+import worker.models.c_library as c_library
+import worker.models.f32_gemm as f32_gemm
+from worker.models.few_rows import (
+    C_DRIVER,
+    C_SUMS,
+    FewRowsLinear,
+    median_seconds,
+    one_thread,
+    onednn_timer,
+)
+from worker.models.gguf import BLOCK, Blocks
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 32
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, MAX_ROWS)
+CALIBRATION_BYTES = 64 << 20  # of distinct weights each side streams: more than a core's cache
+
+SOURCE = (
+    r"""
+#include <stdint.h>
+/* VW floats a vector (16 with AVX-512, else 8; -DVW builds the other); BITS 4 or 8 a quant.
+   A group is one vector of outputs (NB 1); a block of up to 8 rows shares each weight made. */
+#ifndef VW
+#ifdef __AVX512F__
+#define VW 16
+#else
+#define VW 8
+#endif
+#endif
+#define GROUP VW
+#define NB 1
+#define TILE 8
+#define GANG 4
+#define GANG_OF(n) ((n) >= 8 ? 1 : 8 / (n) > GANG ? GANG : 8 / (n))
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));
+typedef uint32_t vu __attribute__((vector_size(4 * VW)));
+"""
+    + C_SUMS
+    + r"""
+#define QBLOCK 32
+#if BITS == 4
+#define PER_LANE 8    /* inputs a 32-bit lane */
+#define SCALES 2      /* d, m */
+#define LINEAR q4_linear
+#else
+#define PER_LANE 4
+#define SCALES 1      /* d */
+#define LINEAR q8_linear
+#endif
+#define WORDS (QBLOCK / PER_LANE)  /* vectors of quants a block */
+#define BLOCK_VECTORS (SCALES + WORDS)
+#define PF_BYTES 2048  /* software prefetch this far ahead in a group's blocks */
+
+int quant_group(void) { return GROUP; }
+
+/* The weights of input i (of a lane's PER_LANE) of quants `word`: fma(q, d, m), the GGUF's
+   d * q + m (d * q exact); at 8 bits q * d, exact. */
+static inline __attribute__((always_inline)) vf weights(vu word, const int i, vf d, vf m) {
+#if BITS == 4
+    vf q = __builtin_convertvector((vi)((word >> (4 * i)) & 15), vf);
+    return FMA(m, q, d);
+#else
+    vf q = __builtin_convertvector(((vi)(word << (24 - 8 * i))) >> 24, vf);
+    (void)m;
+    return q * d;
+#endif
+}
+
+/* n rows against ng groups from g0 (n, ng constants where it is inlined: the sums stay in
+   registers); then each row's sums plus the bias to `out`. */
+static inline __attribute__((always_inline)) void rows_block(
+    const float *x, int64_t k, const float *w, int64_t g0, const int ng, const int n,
+    const float *bias, float *out, int64_t o) {
+    vf acc[GANG][TILE][NB];
+    for (int g = 0; g < ng; g++)
+        for (int r = 0; r < n; r++) acc[g][r][0] = (vf){0};
+    int64_t blocks = k / QBLOCK;
+    const vf *wg = (const vf *)w + g0 * blocks * BLOCK_VECTORS;
+    for (int64_t b = 0; b < blocks; b++) {
+        const vf *blk[GANG];
+        for (int g = 0; g < ng; g++) {
+            blk[g] = wg + (g * blocks + b) * BLOCK_VECTORS;
+            for (int line = 0; line < BLOCK_VECTORS * 4 * VW; line += 64)
+                __builtin_prefetch((const char *)blk[g] + PF_BYTES + line);
+        }
+        /* a group's scales and quants at a time (few registers: the sums stay in them); the
+           groups' chains of fused multiply-adds overlap out of order. Holding 4 groups'
+           scales and quants at once instead (each input over the groups) spills the sums. */
+        for (int v = 0; v < WORDS; v++) {
+            const float *xp = x + b * QBLOCK + v * PER_LANE;
+            for (int g = 0; g < ng; g++) {
+                vf d = blk[g][0], m = SCALES > 1 ? blk[g][SCALES - 1] : (vf){0};
+                vu word = ((const vu *)blk[g])[SCALES + v];
+#pragma GCC unroll 8
+                for (int i = 0; i < PER_LANE; i++) {
+                    vf wv = weights(word, i, d, m);
+                    for (int r = 0; r < n; r++)
+                        acc[g][r][0] = FMA(acc[g][r][0], (vf){0} + xp[r * k + i], wv);
+                }
+            }
+        }
+    }
+    store_sums(acc, g0, ng, n, bias, out, o);
+}
+"""
+    + C_DRIVER
+)
+
+
+class QuantGemm(FewRowsLinear):
+    """One build (4 or 8 bits): `__call__` is the linear over blocks its `pack` laid out."""
+
+    dtype = torch.float32
+
+    def __init__(self, library: ctypes.CDLL, bits: int, max_rows: int) -> None:
+        super().__init__(getattr(library, f"q{bits}_linear"), max_rows)
+        library.quant_group.restype = ctypes.c_int
+        self.bits = bits
+        self.group = library.quant_group()  # outputs a group: VW
+
+    def pack(self, blocks: Blocks) -> torch.Tensor:
+        """`blocks` -> [ceil(O/G), K/32, vectors a block, G] 32-bit words (outputs past O zero):
+        d (and m) as float32, then the quants, PER_LANE inputs a lane."""
+        if blocks.bits != self.bits:
+            raise ValueError(f"{blocks.bits}-bit blocks for the {self.bits}-bit kernel")
+        (o, k), g = blocks.shape, self.group
+        padded = -(-o // g) * g
+        nb = k // BLOCK
+
+        def grouped(a: np.ndarray) -> np.ndarray:  # [O, ...] -> [O/G, G, ...], zeros past O
+            a = np.concatenate([a, np.zeros((padded - o, *a.shape[1:]), a.dtype)])
+            return a.reshape(padded // g, g, *a.shape[1:])
+
+        per_lane = 32 // blocks.bits
+        q = grouped(blocks.q).view(np.uint8).astype(np.uint32) & ((1 << blocks.bits) - 1)
+        q = q.reshape(padded // g, g, nb, BLOCK // per_lane, per_lane)
+        words = np.zeros(q.shape[:-1], np.uint32)
+        for i in range(per_lane):  # input i of a lane in bits [i * bits, (i + 1) * bits)
+            words |= q[..., i] << np.uint32(i * blocks.bits)
+        scales = [blocks.d] if blocks.m is None else [blocks.d, blocks.m]
+        scales = [grouped(s).view(np.uint32)[..., None] for s in scales]  # [O/G, G, nb, 1]
+        out = np.concatenate([*scales, words], axis=-1)  # [O/G, G, nb, vectors]
+        # a copy in torch's memory, aligned for the kernel's whole-vector loads (numpy's is not)
+        layout = torch.from_numpy(out.transpose(0, 2, 3, 1))
+        return layout.clone(memory_format=torch.contiguous_format)
+
+
+def can_pack(blocks: Blocks, bias: torch.Tensor | None) -> bool:
+    return blocks.shape[1] % BLOCK == 0 and (
+        bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    )
+
+
+@cache
+def build(bits: int) -> QuantGemm | None:
+    """The `bits` kernel as built here, up to `MAX_ROWS` rows; None without a C compiler."""
+    library = c_library.build(f"q{bits}_linear", f"#define BITS {bits}\n" + SOURCE)
+    return QuantGemm(library, bits, MAX_ROWS) if library is not None else None
+
+
+@cache
+def load(bits: int) -> QuantGemm | None:
+    """The `bits` kernel where it beats the float32 path on this core, its `max_rows` the most
+    rows it does (`calibrate`); None where it loses at one row, or cannot be built."""
+    kernel = build(bits)
+    if kernel is None:
+        return None
+    rows = calibrate(kernel)
+    if rows == 0:
+        logger.info("%d-bit GGUF linears: the float32 path (the C kernel is slower)", bits)
+        return None
+    logger.info("%d-bit GGUF linears: from their blocks up to %d rows", bits, rows)
+    return kernel.up_to(rows)
+
+
+def random_blocks(bits: int, shape: tuple[int, int], gen: np.random.Generator) -> Blocks:
+    """Blocks of `shape` with random quants and float16 scales, as a GGUF holds them."""
+    o, k = shape
+    d = (gen.standard_normal((o, k // BLOCK)) * 0.01).astype(np.float16).astype(np.float32)
+    if bits == 8:
+        return Blocks(8, gen.integers(-128, 128, (o, k), dtype=np.int8), d, None)
+    m = (gen.standard_normal((o, k // BLOCK)) * 0.1).astype(np.float16).astype(np.float32)
+    return Blocks(4, gen.integers(0, 16, (o, k), dtype=np.uint8), d, m)
+
+
+def calibrate(kernel: QuantGemm, repeat: int = 5) -> int:
+    """The most rows (of `CALIBRATION_ROWS`, in order, up to the first it loses) at which
+    `kernel` takes less median time a weight than the float32 path those rows take (`f32_gemm`
+    where it serves them, else oneDNN's packed linear); 0 if it loses at one row.
+
+    Each side streams `CALIBRATION_BYTES` of distinct 1536x576 weights in its own layout, so
+    that they come from memory as in a decode step; compared per weight. On one thread, as it
+    runs: ~2 s at load."""
+    o, k = 1536, 576
+    blocks = random_blocks(kernel.bits, (o, k), np.random.default_rng(0))
+    packed = kernel.pack(blocks)
+    ours = [packed.clone() for _ in range(max(1, CALIBRATION_BYTES // packed.nbytes))]
+    dense = [blocks.dense() for _ in range(max(1, CALIBRATION_BYTES // (o * k * 4)))]
+    f32 = f32_gemm.load()
+    f32_packed = [f32.pack(w) for w in dense] if f32 is not None else []
+    onednn = onednn_timer(dense, repeat)
+    best = 0
+    with one_thread():
+        for n in CALIBRATION_ROWS:
+            x = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+            mine = median_seconds(lambda x=x: [kernel(x, w, None, o) for w in ours], repeat)
+            if f32 is not None and n <= f32.max_rows:
+                theirs = median_seconds(lambda x=x: [f32(x, w, None, o) for w in f32_packed],
+                                        repeat)  # fmt: skip
+            else:
+                theirs = onednn(x)
+            if mine / len(ours) >= theirs / len(dense):
+                break
+            best = n
+    return best
