@@ -700,11 +700,12 @@ static void score_tile(const float *qf, const float *qt, int64_t nq, int64_t nqp
             for (int64_t i = 0; i < nq; i++) {
                 const vf *qv = (const vf *)(qf + i * D);
                 vf t[VW];
-                for (int j = 0; j < VW; j++) {
-                    const vfu *kv = (const vfu *)kf[j0 + j];
-                    vf x = qv[0] * kv[0];
-                    for (int64_t dv = 1; dv < DV; dv++) x += qv[dv] * kv[dv];
-                    t[j] = x;
+                /* the VW keys' sums side by side, a vector of dims at a time: VW chains of
+                   adds in flight (one key's chain at a time waited out each add's latency) */
+                for (int j = 0; j < VW; j++) t[j] = qv[0] * ((const vfu *)kf[j0 + j])[0];
+                for (int64_t dv = 1; dv < DV; dv++) {
+                    vf qd = qv[dv];
+                    for (int j = 0; j < VW; j++) t[j] += qd * ((const vfu *)kf[j0 + j])[dv];
                 }
                 *(vfu *)(sc + i * KVS + j0) = row_sums(t);
             }
