@@ -29,11 +29,13 @@ import importlib.util
 import statistics
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 import worker.decode_kernel as decode_kernel
+from worker import attention_native
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -104,7 +106,17 @@ def main() -> None:
     if args.base_tree is not None:
         kernels["base"] = base_kernel(args.base_tree, dtype)
     if args.model is not None:
-        engine_steps(args, kernels)
+        load = attention_native.decode_kernel.load
+        variants = {  # each kernel served by the native backend's `decode_kernel.load`
+            name: lambda k=kernel: setattr(
+                attention_native.decode_kernel, "load", lambda dtype=None: k
+            )
+            for name, kernel in kernels.items()
+        }
+        try:
+            engine_steps(args, variants)
+        finally:
+            attention_native.decode_kernel.load = load
     else:
         layer_calls(args, kernels, dtype)
 
@@ -149,12 +161,12 @@ def layer_calls(args: argparse.Namespace, kernels: dict, dtype: torch.dtype) -> 
             )
 
 
-def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
-    """The kernels in an engine's decode steps (`--model`): the sequences' prompts are random
-    token ids (a prefix per group, then each one's own), prefilled; then each kernel in turn
-    serves one whole step, `--steps` rounds, the native backend's kernel swapped between steps
-    (what `decode_kernel.load` hands it). Printed: the median step of each, and the ratio."""
-    from worker import attention_native
+def engine_steps(args: argparse.Namespace, variants: dict[str, Callable[[], None]]) -> None:
+    """Variants of an engine's decode steps (`--model`): the sequences' prompts are random
+    token ids (`--prefix` tokens a group, then `--own` each), prefilled; then each variant in
+    turn serves one whole step, `--steps` rounds, put in place by its function before the step.
+    Printed: the median step of each, and the first's ratio to the second's. (Also
+    `bench_linears.py --model`'s, over the same arguments.)"""
     from worker.engine import Engine, EngineConfig
     from worker.protocol import GenerateRequest, SamplingParams
 
@@ -165,12 +177,11 @@ def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
     def words(n: int) -> list[int]:
         return torch.randint(vocab, (n,), generator=gen).tolist()
 
-    load = attention_native.decode_kernel.load
     for sequences in args.sequences:
         groups = min(args.groups, sequences)
         prefixes = [words(args.prefix) for _ in range(groups)]
         sp = SamplingParams(
-            max_tokens=len(kernels) * args.steps + 2, temperature=0.0, ignore_eos=True
+            max_tokens=len(variants) * args.steps + 2, temperature=0.0, ignore_eos=True
         )
         for b in range(sequences):
             prompt = prefixes[b % groups] + words(args.own)
@@ -178,22 +189,19 @@ def engine_steps(args: argparse.Namespace, kernels: dict) -> None:
         running = engine.scheduler.running
         while engine.scheduler.waiting or any(r.num_computed < len(r.tokens) - 1 for r in running):
             engine.step()  # prefill (chunked) until every request decodes
-        times = {name: [] for name in kernels}
-        try:
-            for _ in range(args.steps):
-                for name, kernel in kernels.items():
-                    attention_native.decode_kernel.load = lambda dtype=None, k=kernel: k
-                    start = time.perf_counter()
-                    engine.step()
-                    times[name].append(time.perf_counter() - start)
-        finally:
-            attention_native.decode_kernel.load = load
+        times = {name: [] for name in variants}
+        for _ in range(args.steps):
+            for name, put in variants.items():
+                put()
+                start = time.perf_counter()
+                engine.step()
+                times[name].append(time.perf_counter() - start)
         while engine.has_work():
             engine.step()
         figures = [f"{name} {statistics.median(t) * 1e3:6.1f} ms" for name, t in times.items()]
-        if len(kernels) == 2:
-            ratio = statistics.median(times["this tree"]) / statistics.median(times["base"])
-            figures.append(f"ratio {ratio:.3f}x")
+        if len(variants) == 2:
+            first, second = (statistics.median(t) for t in times.values())
+            figures.append(f"ratio {first / second:.3f}x")
         print(
             f"{sequences:3d} sequences in {groups} groups, {args.prefix} + {args.own} tokens, "
             f"decode step (median of {args.steps}): " + ", ".join(figures),

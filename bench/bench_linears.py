@@ -6,18 +6,30 @@ weights come from memory as in a decode step, not from cache) go through oneDNN'
 linear, then through the kernel; printed: ms per pass, the weight stream in GB/s, the ratio,
 and the share of outputs with the same bits. One torch thread (the kernels' own condition).
 
+`--blocks 4|8`: `worker.models.quant_gemm` over random GGUF blocks of that many bits (Q4_1,
+Q8_0) against `f32_gemm` over their float32 values instead (the same bits expected). With
+`--model DIR` (a model made from a GGUF, e.g. the default SmolLM2): an engine's whole decode
+steps with its GGUF blocks on and off, one step each in turn (`bench_decode_kernel.py`'s
+`engine_steps`, its `--sequences`, `--groups`, `--prefix`, `--own` and `--steps`).
+
     python bench/bench_linears.py                      # SmolLM2-135M's shapes, 30 layers
     python bench/bench_linears.py --dtype float32 --rows 1 8 32 --shape 49152x576 --layers 2
     python bench/bench_linears.py --rows 1 8 --layers 8 --shape 4096x4096
     python bench/bench_linears.py --variant dpbf16     # bf16: one build, not the calibrated
+    python bench/bench_linears.py --blocks 4 --rows 1 2 4 8 32
+    python bench/bench_linears.py --model DIR --sequences 1 2 4 8 --groups 4
 """
 
 from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import torch
 
+import worker.models.f32_gemm as f32_gemm
+import worker.models.packed as packed_linears
+import worker.models.quant_gemm as quant_gemm
 from worker.models.few_rows import median_seconds
 from worker.models.packed import FEW_ROWS
 
@@ -38,8 +50,21 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--variant", choices=["dpbf16", "fma", "amx"], default=None,
                         help="bf16: this build of the kernel (default: the one `load` picks)")
+    parser.add_argument("--blocks", type=int, choices=[4, 8], default=None,
+                        help="the GGUF-blocks kernel at these bits against f32_gemm")
+    parser.add_argument("--model", default=None,
+                        help="decode steps of an engine on this GGUF-made model, blocks on / off")
+    parser.add_argument("--sequences", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--groups", type=int, default=4)
+    parser.add_argument("--prefix", type=int, default=1024)
+    parser.add_argument("--own", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.model is not None:
+        return engine_steps(args)
+    if args.blocks is not None:
+        return blocks(args)
     dtype = getattr(torch, args.dtype)
     module = FEW_ROWS[dtype]
     if args.variant:
@@ -70,6 +95,53 @@ def main() -> int:
             same = (kernel(x, packed[0], None, out_f) == ref).double().mean().item()
             print(f"{rows:>4} {shape:>10} {a * 1e3:>10.2f} {gb / a:>6.1f} {b * 1e3:>9.2f} "
                   f"{gb / b:>6.1f} {a / b:>7.2f}x {same:>9.4f}")
+    return 0
+
+
+def blocks(args: argparse.Namespace) -> int:
+    """`--blocks`: the blocks kernel against `f32_gemm` over the blocks' float32 values."""
+    kernel, f32 = quant_gemm.build(args.blocks), f32_gemm.build()
+    if kernel is None or f32 is None:
+        print("no C compiler here")
+        return 1
+    gen = np.random.default_rng(0)
+    print(f"{'rows':>4} {'shape':>10} {'f32 ms':>8} {'GB/s':>6} {'blocks ms':>9} {'GB/s':>6} "
+          f"{'speed-up':>8} {'same bits':>9}")
+    for shape in args.shape:
+        out_f, in_f = (int(n) for n in shape.split("x"))
+        weights = [quant_gemm.random_blocks(args.blocks, (out_f, in_f), gen)
+                   for _ in range(args.layers)]
+        ours = [kernel.pack(w) for w in weights]
+        theirs = [f32.pack(w.dense()) for w in weights]
+        gb_ours = sum(p.nbytes for p in ours) / 1e9
+        gb_theirs = sum(p.nbytes for p in theirs) / 1e9
+        for rows in args.rows:
+            x = torch.randn(rows, in_f)
+            a = median_seconds(lambda x=x, ws=theirs, n=out_f: [f32(x, w, None, n) for w in ws],
+                               args.repeat)  # fmt: skip
+            b = median_seconds(lambda x=x, ws=ours, n=out_f: [kernel(x, w, None, n) for w in ws],
+                               args.repeat)  # fmt: skip
+            same = kernel(x, ours[0], None, out_f) == f32(x, theirs[0], None, out_f)
+            print(f"{rows:>4} {shape:>10} {a * 1e3:>8.2f} {gb_theirs / a:>6.1f} {b * 1e3:>9.2f} "
+                  f"{gb_ours / b:>6.1f} {a / b:>7.2f}x {same.double().mean().item():>9.4f}")
+    return 0
+
+
+def engine_steps(args: argparse.Namespace) -> int:
+    """`--model`: decode steps with the engine's GGUF blocks on and off in turn."""
+    from bench_decode_kernel import engine_steps as alternate
+
+    registry = packed_linears._REGISTRY  # dense weight -> its packed copies, blocks among them
+    saved: dict = {}
+
+    def put(on: bool) -> None:
+        if not saved:  # the engine's entries, as it packed them
+            saved.update(registry)
+        for ptr, entry in saved.items():
+            registry[ptr] = entry if on else entry._replace(quantized=None)
+
+    args.dtype = "float32"
+    alternate(args, {"blocks": lambda: put(True), "float32": lambda: put(False)})
     return 0
 
 
