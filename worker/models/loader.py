@@ -138,7 +138,7 @@ def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Bloc
     directory holding one GGUF (as a fetched model's keeps the file it was made from). Empty
     where there is none. Fused weights (qkv, gate_up) take their parts' blocks stacked; a
     weight whose blocks do not give its float32 values bit for bit (a directory not made from
-    that GGUF) is left out, with a warning."""
+    that GGUF) is left out, and a file that cannot be read gives none, with a warning."""
     path = Path(model_path).expanduser()
     if path.suffix != ".gguf":
         candidates = sorted(resolve_model(str(model_path)).glob("*.gguf"))
@@ -149,11 +149,15 @@ def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Bloc
     if config.dtype != torch.float32 or not path.is_file():
         return {}
     parts: dict[str, list[tuple[int, Blocks]]] = {}
-    for hf_name, blocks in quantized_tensors(path, config.num_heads, config.num_kv_heads):
-        target = model.parameter_rows(hf_name)
-        if target is not None:
-            name, start = target
-            parts.setdefault(name, []).append((start or 0, blocks))
+    try:
+        for hf_name, blocks in quantized_tensors(path, config.num_heads, config.num_kv_heads):
+            target = model.parameter_rows(hf_name)
+            if target is not None:
+                name, start = target
+                parts.setdefault(name, []).append((start or 0, blocks))
+    except ValueError as e:  # not a GGUF this reads: the float32 path serves
+        logger.warning("no GGUF blocks from %s: %s", path, e)
+        return {}
     if config.tie_word_embeddings and "lm_head.weight" not in parts:
         parts["lm_head.weight"] = parts.get("embed_tokens.weight", [])
     params = dict(model.named_parameters(remove_duplicate=False))

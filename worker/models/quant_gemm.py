@@ -167,12 +167,12 @@ class QuantGemm(FewRowsLinear):
             a = np.concatenate([a, np.zeros((padded - o, *a.shape[1:]), a.dtype)])
             return a.reshape(padded // g, g, *a.shape[1:])
 
-        per_lane = 32 // blocks.bits
-        q = grouped(blocks.q).view(np.uint8).astype(np.uint32) & ((1 << blocks.bits) - 1)
-        q = q.reshape(padded // g, g, nb, BLOCK // per_lane, per_lane)
-        words = np.zeros(q.shape[:-1], np.uint32)
-        for i in range(per_lane):  # input i of a lane in bits [i * bits, (i + 1) * bits)
-            words |= q[..., i] << np.uint32(i * blocks.bits)
+        # a lane's inputs in its 4 bytes, first input lowest: at 4 bits two a byte (the first
+        # in the low nibble), at 8 bits one a byte; the bytes read as little-endian words
+        q = grouped(blocks.q).view(np.uint8)
+        if blocks.bits == 4:
+            q = q[..., 0::2] | (q[..., 1::2] << 4)
+        words = np.ascontiguousarray(q).view("<u4").reshape(padded // g, g, nb, -1)
         scales = [blocks.d] if blocks.m is None else [blocks.d, blocks.m]
         scales = [grouped(s).view(np.uint32)[..., None] for s in scales]  # [O/G, G, nb, 1]
         out = np.concatenate([*scales, words], axis=-1)  # [O/G, G, nb, vectors]
