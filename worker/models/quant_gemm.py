@@ -18,9 +18,10 @@ conversion and the fused multiply-add, and go into the rows' sums as `f32_gemm`'
 float32 sum of fused multiply-adds over the inputs in order (`few_rows.C_SUMS`), so a linear
 here gives the bits `f32_gemm` gives over the dequantized weight.
 
-`linear` takes this kernel (`packed.QUANTIZED`) for a weight whose blocks the engine loaded
-from the model's GGUF (`loader.quantized_linears`, which checks each against the dense weight),
-up to the rows where it beat the float32 path at load (`calibrate`).
+`packed.linear` takes this kernel for a weight whose blocks the engine loaded from the model's
+GGUF (`loader.quantized_linears`, which checks each against the dense weight; `pack_linears`
+keeps them in the weight's registry entry), up to the rows where it beat the float32 path at
+load (`calibrate`), on one thread.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ class QuantGemm(FewRowsLinear):
 
 
 def can_pack(blocks: Blocks, bias: torch.Tensor | None) -> bool:
+    """Whole blocks of inputs (and a contiguous float32 bias, if any)."""
     return blocks.shape[1] % BLOCK == 0 and (
         bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     )
