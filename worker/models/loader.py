@@ -158,8 +158,8 @@ def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Bloc
     except ValueError as e:  # not a GGUF this reads: the float32 path serves
         logger.warning("no GGUF blocks from %s: %s", path, e)
         return {}
-    if config.tie_word_embeddings and "lm_head.weight" not in parts:
-        parts["lm_head.weight"] = parts.get("embed_tokens.weight", [])
+    if config.tie_word_embeddings and "lm_head.weight" not in parts:  # one weight: check it once
+        parts["lm_head.weight"] = parts.pop("embed_tokens.weight", [])
     params = dict(model.named_parameters(remove_duplicate=False))
     found: dict[str, Blocks] = {}
     for name, pieces in parts.items():
