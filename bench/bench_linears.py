@@ -30,7 +30,7 @@ import torch
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed_linears
 import worker.models.quant_gemm as quant_gemm
-from worker.models.few_rows import median_seconds
+from worker.models.calibration import median_seconds
 from worker.models.packed import FEW_ROWS
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")  # qkv, o, gate_up, down (out x in)

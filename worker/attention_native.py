@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from worker import decode_kernel, prefill_kernel
 from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
-from worker.models.few_rows import median_seconds
+from worker.models.calibration import median_seconds, most_won
 
 # the chunk sizes `kernel_queries` times, each over a cached prefix of CALIBRATION_PREFIX keys
 CALIBRATION_QUERIES, CALIBRATION_PREFIX = (16, 64, 256, 1024), 512
@@ -345,20 +345,21 @@ def kernel_queries(kernel, heads: int, kv_heads: int, dim: int, repeat: int = 3)
     k_buf = torch.randn(slots, kv_heads, dim, generator=gen).to(kernel.dtype)
     v_buf = torch.randn(slots, kv_heads, dim, generator=gen).to(kernel.dtype)
     prefix = torch.arange(CALIBRATION_PREFIX)
-    best = 0
-    for nq in CALIBRATION_QUERIES:
-        q = torch.randn(nq, heads, dim, generator=gen).to(kernel.dtype)
+    queries = {nq: torch.randn(nq, heads, dim, generator=gen).to(kernel.dtype)
+               for nq in CALIBRATION_QUERIES}  # fmt: skip
+
+    def ours(nq: int) -> float:
+        keys = torch.cat((prefix, torch.arange(CALIBRATION_PREFIX, CALIBRATION_PREFIX + nq)))
+        return median_seconds(lambda: kernel(queries[nq], k_buf, v_buf, keys), repeat)
+
+    def theirs(nq: int) -> float:
         own = torch.arange(CALIBRATION_PREFIX, CALIBRATION_PREFIX + nq)
         k, v = k_buf[own], v_buf[own]
-        keys = torch.cat((prefix, own))
-        ours = median_seconds(lambda q=q, keys=keys: kernel(q, k_buf, v_buf, keys), repeat)
-        theirs = median_seconds(
-            lambda q=q, k=k, v=v: _prefill(q, k, v, prefix, k_buf, v_buf, True), repeat
-        )
-        if ours >= theirs:
-            return best
-        best = nq
-    return UNBOUNDED
+        return median_seconds(
+            lambda: _prefill(queries[nq], k, v, prefix, k_buf, v_buf, True), repeat)
+
+    best = most_won(CALIBRATION_QUERIES, ours, theirs)
+    return UNBOUNDED if best == CALIBRATION_QUERIES[-1] else best
 
 
 def _prefill(

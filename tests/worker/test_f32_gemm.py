@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import worker.models.calibration as calibration
 import worker.models.f32_gemm as f32_gemm
-import worker.models.few_rows as few_rows
 from tests.worker.kernel_kit import build_without
 
 KERNEL = f32_gemm.build()  # as built, whether or not `load` takes it on this core
@@ -109,7 +109,7 @@ def test_linears_take_the_kernel_only_up_to_the_rows_it_wins_at(monkeypatch, row
 def test_calibration_times_each_row_count_until_the_kernel_loses(monkeypatch):
     # (ours, oneDNN's) seconds at 1, 2 and 4 rows: the kernel loses from 4 rows on
     times = iter([1.0, 2.0, 1.0, 2.0, 3.0, 2.0])
-    # the kernel's timings and oneDNN's (`few_rows.rows_won`)
-    monkeypatch.setattr(few_rows, "median_seconds", lambda fn, repeat: next(times))
+    # the kernel's timings and oneDNN's (`calibration.rows_won`)
+    monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
     assert f32_gemm.calibrate(KERNEL) == 2
     assert next(times, None) is None  # nothing timed past the first loss

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import worker.models.few_rows as few_rows
+import worker.models.calibration as calibration
 import worker.models.pair_gemm as pair_gemm
 from worker.models.packed import linear, pack_linears
 
@@ -118,7 +118,7 @@ def fake_timings(monkeypatch, seconds):
     """Each timing `calibrate` takes (ours or oneDNN's, in the order it takes them) is the next
     of `seconds`: stands in for a core's speeds, which the test cannot choose."""
     times = iter(seconds)
-    for module in (pair_gemm, few_rows):  # the kernel's timings and oneDNN's
+    for module in (pair_gemm, calibration):  # the kernel's timings and oneDNN's
         monkeypatch.setattr(module, "median_seconds", lambda fn, repeat: next(times))
     return times
 

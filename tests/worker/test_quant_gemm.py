@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
 
+import worker.models.calibration as calibration
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed
 import worker.models.quant_gemm as quant_gemm
@@ -128,7 +129,7 @@ def test_a_kernel_takes_only_blocks_of_its_bits():
 def test_calibration_times_each_row_count_until_the_kernel_loses(monkeypatch):
     # (ours, the float32 path's) seconds at 1, 2 and 4 rows: the kernel loses from 4 rows on
     times = iter([1.0, 2.0, 1.0, 2.0, 3.0, 2.0])
-    monkeypatch.setattr(quant_gemm, "median_seconds", lambda fn, repeat: next(times))
+    monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
     monkeypatch.setattr(quant_gemm, "CALIBRATION_BYTES", 1)  # one weight a side
     monkeypatch.setattr(f32_gemm, "load", lambda: F32)
     assert quant_gemm.calibrate(KERNELS[4]) == 2

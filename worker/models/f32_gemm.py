@@ -28,7 +28,8 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear, output_groups, rows_won
+from worker.models.calibration import kernel_timer, layer_weights, onednn_timer, rows_won
+from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear, output_groups
 
 logger = logging.getLogger(__name__)
 
@@ -180,5 +181,6 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     outputs, blocks of 8 rows) 1.81-2.01x at 1 and 8 rows (`bench/bench_linears.py --dtype
     float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    return rows_won(kernel, kernel.pack, torch.float32, CALIBRATION_ROWS, CALIBRATION_BYTES,
-                    repeat, gen)  # fmt: skip
+    dense = layer_weights(torch.float32, CALIBRATION_BYTES, gen)
+    ours = kernel_timer(kernel, [kernel.pack(w) for w in dense], repeat)
+    return rows_won(ours, onednn_timer(dense, repeat), CALIBRATION_ROWS, torch.float32, gen)

@@ -37,14 +37,15 @@ from functools import cache
 import torch
 
 import worker.models.c_library as c_library
-from worker.models.few_rows import (
-    FewRowsLinear,
+from worker.models.calibration import (
+    kernel_timer,
+    layer_weights,
     median_seconds,
-    one_thread,
     onednn_timer,
-    output_groups,
     rows_won,
+    torch_threads,
 )
+from worker.models.few_rows import FewRowsLinear, output_groups
 
 logger = logging.getLogger(__name__)
 
@@ -484,10 +485,10 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, int]:
     2.3-2.9x at 32. Timed on one thread, as the kernel
     runs; ~1 s at load, ~130 MB while it runs."""
     gen = torch.Generator().manual_seed(0)
-    o, k = 1536, 576
-    dense = torch.randn(o, k, generator=gen).to(torch.bfloat16)
+    dense = layer_weights(torch.bfloat16, 0, gen)[0]
+    o, k = dense.shape
     w = pack(dense)
-    with one_thread():
+    with torch_threads(1):
         x = torch.randn(DECODE_ROWS, k, generator=gen).to(torch.bfloat16)
         times = {name: median_seconds(lambda kernel=kernel: kernel(x, w, None, o), repeat)
                  for name, kernel in built.items()}  # fmt: skip
@@ -497,5 +498,6 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, int]:
         ours = median_seconds(lambda: kernel(x, w, None, o), repeat)
         if ours < 0.9 * onednn_timer([dense], repeat)(x):
             return name, ANY_ROWS
-    rows = rows_won(kernel, pack, torch.bfloat16, CALIBRATION_ROWS, CALIBRATION_BYTES, repeat, gen)
-    return name, rows
+    dense = layer_weights(torch.bfloat16, CALIBRATION_BYTES, gen)
+    ours = kernel_timer(kernel, [pack(w) for w in dense], repeat)
+    return name, rows_won(ours, onednn_timer(dense, repeat), CALIBRATION_ROWS, torch.bfloat16, gen)

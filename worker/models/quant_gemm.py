@@ -35,14 +35,14 @@ import torch
 
 import worker.models.c_library as c_library
 import worker.models.f32_gemm as f32_gemm
-from worker.models.few_rows import (
-    C_DRIVER,
-    C_SUMS,
-    FewRowsLinear,
-    median_seconds,
-    one_thread,
+from worker.models.calibration import (
+    LAYER_IN,
+    LAYER_OUT,
+    kernel_timer,
     onednn_timer,
+    rows_won,
 )
+from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear
 from worker.models.gguf import BLOCK, Blocks
 
 logger = logging.getLogger(__name__)
@@ -229,25 +229,18 @@ def calibrate(kernel: QuantGemm, repeat: int = 5) -> int:
     Each side streams `CALIBRATION_BYTES` of distinct 1536x576 weights in its own layout, so
     that they come from memory as in a decode step; compared per weight. On one thread, as it
     runs: ~2 s at load."""
-    o, k = 1536, 576
-    blocks = random_blocks(kernel.bits, (o, k), np.random.default_rng(0))
+    blocks = random_blocks(kernel.bits, (LAYER_OUT, LAYER_IN), np.random.default_rng(0))
     packed = kernel.pack(blocks)
-    ours = [packed.clone() for _ in range(max(1, CALIBRATION_BYTES // packed.nbytes))]
-    dense = [blocks.dense() for _ in range(max(1, CALIBRATION_BYTES // (o * k * 4)))]
-    f32 = f32_gemm.load()
-    f32_packed = [f32.pack(w) for w in dense] if f32 is not None else []
+    copies = max(1, CALIBRATION_BYTES // packed.nbytes)
+    ours = kernel_timer(kernel, [packed.clone() for _ in range(copies)], repeat)
+    dense = [blocks.dense() for _ in range(max(1, CALIBRATION_BYTES // (LAYER_OUT * LAYER_IN * 4)))]
     onednn = onednn_timer(dense, repeat)
-    best = 0
-    with one_thread():
-        for n in CALIBRATION_ROWS:
-            x = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
-            mine = median_seconds(lambda x=x: [kernel(x, w, None, o) for w in ours], repeat)
-            if f32 is not None and n <= f32.max_rows:
-                theirs = median_seconds(lambda x=x: [f32(x, w, None, o) for w in f32_packed],
-                                        repeat)  # fmt: skip
-            else:
-                theirs = onednn(x)
-            if mine / len(ours) >= theirs / len(dense):
-                break
-            best = n
-    return best
+    f32 = f32_gemm.load()
+    if f32 is not None:
+        f32_path = kernel_timer(f32, [f32.pack(w) for w in dense], repeat)
+
+    def theirs(x: torch.Tensor) -> float:
+        served = f32 is not None and x.shape[0] <= f32.max_rows
+        return f32_path(x) if served else onednn(x)
+
+    return rows_won(ours, theirs, CALIBRATION_ROWS, torch.float32, torch.Generator().manual_seed(0))
