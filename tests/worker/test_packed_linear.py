@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine_kit import greedy_tokens, mixed_prompts
 from torch import nn
 
+import worker.models.calibration as calibration
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed
 import worker.models.pair_gemm as pair_gemm
@@ -109,6 +110,37 @@ def test_linear_takes_the_few_rows_kernel_for_few_rows_on_one_thread(monkeypatch
         assert len(calls) == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_linear_takes_f_linear_over_the_dense_weight_from_the_calibrated_rows(monkeypatch):
+    monkeypatch.setattr(f32_gemm, "load", lambda: None)  # no few-rows kernel: oneDNN below
+    monkeypatch.setattr(packed, "dense_from", lambda dtype, threads: 64)
+    layer = nn.Linear(64, 96)
+    assert pack_linears(layer) == 1
+    onednn = torch.ops.mkldnn._linear_pointwise
+    real, calls = F.linear, []
+    monkeypatch.setattr(F, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    for rows in (1, 63, 64, 300):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        got = linear(x, layer.weight, layer.bias)
+        if rows < 64:  # the packed copy's own bits
+            assert torch.equal(got, onednn(x, layer.packed, layer.bias, "none", [], ""))
+        else:
+            assert torch.equal(got, real(x, layer.weight, layer.bias))
+    assert calls == [64, 300]
+
+
+def test_dense_from_walks_down_the_row_counts_until_onednn_wins(monkeypatch):
+    # a warm-up each (dense, oneDNN), then (dense, oneDNN) seconds at 512, 256 and 128 rows:
+    # F.linear wins down to 256 rows and loses at 128
+    times = iter([9.0, 9.0, 1.0, 2.0, 1.0, 2.0, 2.0, 1.0])
+    monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
+    assert packed.MANY_ROWS[:3] == (512, 256, 128)
+    assert packed.dense_from.__wrapped__(torch.float32, 1) == 256
+    assert next(times, None) is None  # nothing timed past the first loss
+    times = iter([9.0, 9.0, 2.0, 1.0])  # oneDNN wins at 512: never F.linear
+    monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
+    assert packed.dense_from.__wrapped__(torch.float32, 1) == packed.NEVER
 
 
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=needs_bf16), "float32"])

@@ -1,11 +1,13 @@
 """Timing at load: up to how many rows (or queries) one path beats another on this core.
 
 Which of two paths serves a linear, or an attention chunk, depends on the core: the same kernel
-is 1.6-2x oneDNN at one row on one CPU and slower on the next (docs/engine.md). So each choice
-is made where it runs, once per process: both paths timed as they run, at a list of sizes in
+is 1.6-2x oneDNN at one row on one CPU and slower on the next, and torch's BLAS beats oneDNN's
+packed weights over many rows on one and loses on another (docs/engine.md). So each choice is
+made where it runs, once per process: both paths timed as they run, at a list of sizes in
 order, until the first size at which the path being tried loses (`most_won`). The callers:
 `f32_gemm`, `pair_gemm` and `quant_gemm` (their few-rows kernels against the float32 path or
-oneDNN) and `attention_native` (the prefill kernel against torch's attention).
+oneDNN), `packed` (torch's BLAS against oneDNN over many rows) and `attention_native` (the
+prefill kernel against torch's attention).
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
 # a layer-sized weight ([out, in]): what the few-rows linears are timed over
 LAYER_OUT, LAYER_IN = 1536, 576
+# SmolLM2-135M's projections of its 576 hidden dims (qkv, o, gate_up): a layer's linears over
+# many rows, where one weight alone times within the noise
+LAYER_PROJECTIONS = (960, 576, 3072)
 
 Timer = Callable[[torch.Tensor], float]  # x -> median seconds a weight of one path over x
 
@@ -69,6 +75,11 @@ def layer_weights(
     return [torch.randn(LAYER_OUT, LAYER_IN, generator=gen).to(dtype) for _ in range(count)]
 
 
+def layer_projections(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
+    """`LAYER_PROJECTIONS`' weights in `dtype`, [out, LAYER_IN] each."""
+    return [torch.randn(o, LAYER_IN, generator=gen).to(dtype) for o in LAYER_PROJECTIONS]
+
+
 def kernel_timer(
     kernel: Callable[..., torch.Tensor], layouts: Sequence[torch.Tensor], repeat: int
 ) -> Timer:
@@ -85,6 +96,12 @@ def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Timer:
     return lambda x: median_seconds(
         lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
         repeat) / len(onednn)
+
+
+def dense_timer(weights: Sequence[torch.Tensor], repeat: int) -> Timer:
+    """`F.linear` over each of the dense `weights` in turn (torch's BLAS: MKL in float32)."""
+    return lambda x: median_seconds(lambda: [F.linear(x, w) for w in weights], repeat) / len(
+        weights)
 
 
 def rows_won(

@@ -15,8 +15,11 @@ a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the 
 AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
 `worker.models.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
 copy of the weight, packed for it, faster than oneDNN reads its own at those sizes; more rows,
-or more threads (oneDNN uses them all, the C loops one), stay on oneDNN. A dtype oneDNN cannot
-reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain weights.
+or more threads (oneDNN uses them all, the C loops one), go to oneDNN. Over many rows (prefill
+chunks) oneDNN's packed copy is not the fastest on every core: from the rows where torch's BLAS
+over the dense weight beat it at load (`dense_from`), a linear is plain `F.linear`. A dtype
+oneDNN cannot reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain
+weights.
 A float32 weight that the model's GGUF stores as quantized blocks (`pack_linears`' `quantized`)
 goes, over a few rows, through `worker.models.quant_gemm` instead, which reads the blocks and
 gives `f32_gemm`'s bits.
@@ -44,6 +47,13 @@ from torch import nn
 import worker.models.f32_gemm as f32_gemm
 import worker.models.pair_gemm as pair_gemm
 import worker.models.quant_gemm as quant_gemm
+from worker.models.calibration import (
+    dense_timer,
+    layer_projections,
+    onednn_timer,
+    rows_won,
+    torch_threads,
+)
 from worker.models.gguf import Blocks
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,6 +61,8 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # `pack(weight)` and `load()` (None where it cannot run; its `max_rows`: the most rows it takes)
 FEW_ROWS = {torch.bfloat16: pair_gemm, torch.float32: f32_gemm}
 BATCH_HINT = 32  # rows oneDNN tunes the layout for; any row count works
+MANY_ROWS = (512, 256, 128, 64)  # the row counts `dense_from` times, from the most down
+NEVER = 1 << 62  # `dense_from` where oneDNN's packed copy wins at every row count
 
 
 class _Packed(NamedTuple):
@@ -112,8 +124,31 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, Blocks] | None = None
             ptr = weight.data_ptr()
             owner = weakref.ref(module.weight, _forget(ptr))
             _REGISTRY[ptr] = _Packed(owner, module.packed, module.few_rows, module.quantized)
+            dense_from(weight.dtype, torch.get_num_threads())  # timed at load, not mid-prefill
             count += 1
     return count
+
+
+@cache
+def dense_from(dtype: torch.dtype, threads: int, repeat: int = 3) -> int:
+    """The fewest rows from which `linear` takes `F.linear` over the dense weight (torch's BLAS:
+    MKL in float32) rather than oneDNN's packed copy, on `threads` torch threads: the last of
+    `MANY_ROWS` (from 512 rows down, up to the first at which it loses) at which `F.linear`
+    took less median time over a layer's projections; `NEVER` where it loses at 512.
+
+    Which is faster over many rows depends on the core. On a 2-core Zen 3 EPYC (AVX2), MKL's
+    float32 linears took 0.82-0.95x the packed copy's time over SmolLM2-135M's four shapes at
+    64 to 2,048 rows (one thread), and a cold 1,088-token prompt's TTFT 0.90x (docs/engine.md);
+    on the machine of this module's figures above, the packed copy was the faster at 512 rows.
+    Timed once per dtype and thread count, at load (`pack_linears`): ~0.5 s on that EPYC."""
+    gen = torch.Generator().manual_seed(0)
+    dense = layer_projections(dtype, gen)
+    ours, theirs = dense_timer(dense, repeat), onednn_timer(dense, repeat)
+    with torch_threads(threads):  # MKL's first calls are slower: ~1.1x before the third here
+        warm = torch.randn(MANY_ROWS[0], dense[0].shape[1], generator=gen).to(dtype)
+        ours(warm), theirs(warm)
+    rows = rows_won(ours, theirs, MANY_ROWS, dtype, gen, threads)
+    return rows or NEVER
 
 
 def _quantized(blocks: Blocks | None, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -178,6 +213,8 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         and torch.get_num_threads() == 1
     ):
         return kernel(x, entry.few_rows, bias, weight.shape[0])
+    if x.numel() >= dense_from(weight.dtype, torch.get_num_threads()) * x.shape[-1]:
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 
 
