@@ -6,6 +6,10 @@ weights come from memory as in a decode step, not from cache) go through oneDNN'
 linear, then through the kernel; printed: ms per pass, the weight stream in GB/s, the ratio,
 and the share of outputs with the same bits. One torch thread (the kernels' own condition).
 
+`--dense`: prefill sizes instead, `F.linear` over the dense weights (torch's BLAS: MKL in
+float32) against oneDNN's packed linear, in GFLOP/s, and the rows from which the engine takes
+`F.linear` on this core (`packed.dense_from`).
+
 `--blocks 4|8`: `worker.models.quant_gemm` over random GGUF blocks of that many bits (Q4_1,
 Q8_0) against `f32_gemm` over their float32 values instead (the same bits expected). With
 `--model DIR` (a model made from a GGUF, e.g. the default SmolLM2): an engine's whole decode
@@ -16,6 +20,7 @@ steps with its GGUF blocks on and off, one step each in turn (`bench_decode_kern
     python bench/bench_linears.py --dtype float32 --rows 1 8 32 --shape 49152x576 --layers 2
     python bench/bench_linears.py --rows 1 8 --layers 8 --shape 4096x4096
     python bench/bench_linears.py --variant dpbf16     # bf16: one build, not the calibrated
+    python bench/bench_linears.py --dense --dtype float32 --rows 64 256 512 1088 2048 --layers 4
     python bench/bench_linears.py --blocks 4 --rows 1 2 4 8 32
     python bench/bench_linears.py --model DIR --sequences 1 2 4 8 --groups 4
 """
@@ -26,6 +31,7 @@ import argparse
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed_linears
@@ -50,6 +56,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--variant", choices=["dpbf16", "fma", "amx"], default=None,
                         help="bf16: this build of the kernel (default: the one `load` picks)")
+    parser.add_argument("--dense", action="store_true",
+                        help="F.linear over the dense weights against oneDNN (prefill sizes)")
     parser.add_argument("--blocks", type=int, choices=[4, 8], default=None,
                         help="the GGUF-blocks kernel at these bits against f32_gemm")
     parser.add_argument("--model", default=None,
@@ -65,6 +73,8 @@ def main() -> int:
         return engine_steps(args)
     if args.blocks is not None:
         return blocks(args)
+    if args.dense:
+        return dense_against_onednn(args)
     dtype = getattr(torch, args.dtype)
     module = FEW_ROWS[dtype]
     if args.variant:
@@ -95,6 +105,30 @@ def main() -> int:
             same = (kernel(x, packed[0], None, out_f) == ref).double().mean().item()
             print(f"{rows:>4} {shape:>10} {a * 1e3:>10.2f} {gb / a:>6.1f} {b * 1e3:>9.2f} "
                   f"{gb / b:>6.1f} {a / b:>7.2f}x {same:>9.4f}")
+    return 0
+
+
+def dense_against_onednn(args: argparse.Namespace) -> int:
+    """`--dense`: `F.linear` over the dense weights against oneDNN's packed copy."""
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'rows':>5} {'shape':>10} {'oneDNN ms':>10} {'GFLOP/s':>8} {'F.linear ms':>11} "
+          f"{'GFLOP/s':>8} {'speed-up':>8} {'same bits':>9}")
+    for shape in args.shape:
+        out_f, in_f = (int(n) for n in shape.split("x"))
+        weights = [torch.randn(out_f, in_f, generator=gen).to(dtype) for _ in range(args.layers)]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
+        for rows in args.rows:
+            x = torch.randn(rows, in_f, generator=gen).to(dtype)
+            a = median_seconds(lambda x=x, ws=onednn: [_onednn(x, w) for w in ws], args.repeat)
+            b = median_seconds(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], args.repeat)
+            same = (F.linear(x, weights[0]) == _onednn(x, onednn[0])).double().mean().item()
+            gflop = 2 * rows * out_f * in_f * args.layers / 1e9
+            print(f"{rows:>5} {shape:>10} {a * 1e3:>10.2f} {gflop / a:>8.1f} {b * 1e3:>11.2f} "
+                  f"{gflop / b:>8.1f} {a / b:>7.2f}x {same:>9.4f}")
+    rows = packed_linears.dense_from(dtype, torch.get_num_threads())
+    taken = "no row count (oneDNN won at 512)" if rows == packed_linears.NEVER else f"{rows} rows"
+    print(f"the engine takes F.linear from {taken}")
     return 0
 
 

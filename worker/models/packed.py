@@ -124,7 +124,8 @@ def pack_linears(model: nn.Module, quantized: Mapping[str, Blocks] | None = None
             ptr = weight.data_ptr()
             owner = weakref.ref(module.weight, _forget(ptr))
             _REGISTRY[ptr] = _Packed(owner, module.packed, module.few_rows, module.quantized)
-            dense_from(weight.dtype, torch.get_num_threads())  # timed at load, not mid-prefill
+            if not serves or kernel.load().max_rows < pair_gemm.ANY_ROWS:  # it may serve rows
+                dense_from(weight.dtype, torch.get_num_threads())  # timed at load, not mid-prefill
             count += 1
     return count
 
@@ -140,7 +141,8 @@ def dense_from(dtype: torch.dtype, threads: int, repeat: int = 3) -> int:
     float32 linears took 0.82-0.95x the packed copy's time over SmolLM2-135M's four shapes at
     64 to 2,048 rows (one thread), and a cold 1,088-token prompt's TTFT 0.90x (docs/engine.md);
     on the machine of this module's figures above, the packed copy was the faster at 512 rows.
-    Timed once per dtype and thread count, at load (`pack_linears`): ~0.5 s on that EPYC."""
+    Timed once per dtype and thread count, at load (`pack_linears`, unless the few-rows kernel
+    takes every row count there): ~0.8 s on that EPYC."""
     gen = torch.Generator().manual_seed(0)
     dense = layer_projections(dtype, gen)
     ours, theirs = dense_timer(dense, repeat), onednn_timer(dense, repeat)
