@@ -80,28 +80,31 @@ def layer_projections(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Te
     return [torch.randn(o, LAYER_IN, generator=gen).to(dtype) for o in LAYER_PROJECTIONS]
 
 
+def per_weight(call: Callable[[torch.Tensor, torch.Tensor], object],
+               weights: Sequence[torch.Tensor], repeat: int) -> Timer:
+    """`call(x, w)` over each of `weights` in turn: the median seconds of a pass, per weight."""
+    return lambda x: median_seconds(lambda: [call(x, w) for w in weights], repeat) / len(weights)
+
+
 def kernel_timer(
     kernel: Callable[..., torch.Tensor], layouts: Sequence[torch.Tensor], repeat: int
 ) -> Timer:
     """A few-rows kernel (`few_rows.FewRowsLinear`, `quant_gemm.QuantGemm`) over each of
     `layouts` (layer-sized weights in its layout) in turn."""
-    return lambda x: median_seconds(
-        lambda: [kernel(x, w, None, LAYER_OUT) for w in layouts], repeat) / len(layouts)
+    return per_weight(lambda x, w: kernel(x, w, None, LAYER_OUT), layouts, repeat)
 
 
 def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Timer:
     """oneDNN's linear over each of `weights` ([O, K]) in turn, packed as `packed.pack_linears`
     packs them: what the other paths are measured against."""
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # packed.BATCH_HINT
-    return lambda x: median_seconds(
-        lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in onednn],
-        repeat) / len(onednn)
+    return per_weight(
+        lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), onednn, repeat)
 
 
 def dense_timer(weights: Sequence[torch.Tensor], repeat: int) -> Timer:
     """`F.linear` over each of the dense `weights` in turn (torch's BLAS: MKL in float32)."""
-    return lambda x: median_seconds(lambda: [F.linear(x, w) for w in weights], repeat) / len(
-        weights)
+    return per_weight(F.linear, weights, repeat)
 
 
 def rows_won(

@@ -202,20 +202,21 @@ def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     entry = _entry(weight)
     if entry is None:
         return F.linear(x, weight, bias)
+    rows, threads = x.numel() // x.shape[-1], torch.get_num_threads()
     if entry.quantized is not None and x.dtype == torch.float32:
         kernel, blocks = entry.quantized
-        if x.numel() <= kernel.max_rows * x.shape[-1] and torch.get_num_threads() == 1:
+        if rows <= kernel.max_rows and threads == 1:
             return kernel(x, blocks, bias, weight.shape[0])
     module = FEW_ROWS.get(x.dtype) if entry.few_rows is not None else None
     kernel = module.load() if module is not None else None
     if (
         kernel is not None  # the weight has the layout of its dtype's kernel, which loaded
         and x.dtype == weight.dtype
-        and x.numel() <= kernel.max_rows * x.shape[-1]
-        and torch.get_num_threads() == 1
+        and rows <= kernel.max_rows
+        and threads == 1
     ):
         return kernel(x, entry.few_rows, bias, weight.shape[0])
-    if x.numel() >= dense_from(weight.dtype, torch.get_num_threads()) * x.shape[-1]:
+    if rows >= dense_from(weight.dtype, threads):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, entry.onednn, bias, "none", [], "")
 

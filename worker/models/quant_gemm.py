@@ -236,11 +236,10 @@ def calibrate(kernel: QuantGemm, repeat: int = 5) -> int:
     dense = [blocks.dense() for _ in range(max(1, CALIBRATION_BYTES // (LAYER_OUT * LAYER_IN * 4)))]
     onednn = onednn_timer(dense, repeat)
     f32 = f32_gemm.load()
-    if f32 is not None:
-        f32_path = kernel_timer(f32, [f32.pack(w) for w in dense], repeat)
+    f32_path = None if f32 is None else kernel_timer(f32, [f32.pack(w) for w in dense], repeat)
 
-    def theirs(x: torch.Tensor) -> float:
-        served = f32 is not None and x.shape[0] <= f32.max_rows
+    def theirs(x: torch.Tensor) -> float:  # the float32 path those rows take
+        served = f32_path is not None and x.shape[0] <= f32.max_rows
         return f32_path(x) if served else onednn(x)
 
     return rows_won(ours, theirs, CALIBRATION_ROWS, torch.float32, torch.Generator().manual_seed(0))
