@@ -1,8 +1,9 @@
 """The float32 few-rows linear (`worker.models.f32_gemm`): float32 sums of any shape against
 float64, as built here and at both vector widths (AVX-512's 16 lanes, groups of 64 outputs and
-blocks of up to 6 rows; 8 lanes elsewhere, groups of 8 and blocks of up to 8), a row's result
-whatever rows share the call. When `linear` takes it, and the engine's output with it:
-test_packed_linear."""
+blocks of up to 6 rows; 8 lanes elsewhere, groups of 8 and one block of up to 8 rows, or blocks
+of up to 6 rows over 2 groups in a call of more rows), a row's result whatever rows share the
+call: the same bits alone as in a wide block. When `linear` takes it, and the engine's output
+with it: test_packed_linear."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def test_f32_linear_over_a_long_input():
 def test_either_width_is_a_float32_sum_too(tmp_path, width):
     """The kernel at 8 lanes (a CPU without AVX-512) and at 16 (AVX-512's), whichever this
     core builds by default, run here: every block size of either (rows 1-8, then blocks
-    split evenly), a group cut short by the outputs."""
+    split evenly: wide ones at 8 lanes), a group cut short by the outputs."""
     library = build_without(f32_gemm.SOURCE, f"-DVW={width}", tmp_path)
     kernel = f32_gemm.F32Gemm(library, f32_gemm.MAX_ROWS)
     assert kernel.group == {8: 8, 16: 64}[width]

@@ -14,8 +14,9 @@ import ctypes
 import torch
 
 # C shared by the float32-summing kernels' sources (`f32_gemm`, `quant_gemm`), which define VW
-# (floats a vector), `vf` (its type), GROUP outputs a group in NB vectors, blocks of up to TILE
-# rows over up to GANG groups at once (GANG_OF(n) for a block of n rows), and before
+# (floats a vector), `vf` (its type), GROUP outputs a group in NB vectors, one block of up to
+# TILE rows or else blocks of up to WIDE (<= TILE) rows, over up to GANG groups at once
+# (GANG_OF(n, wide) for a block of n rows, wide where WIDE < TILE rows), and before
 # `C_DRIVER` `rows_block` (n rows against ng groups) and LINEAR (the exported name). Every
 # output is one float32 sum of fused multiply-adds over the inputs in order, then the bias:
 # whatever the kernel and the layout of its weight, the same weights give the same bits.
@@ -51,20 +52,24 @@ static inline __attribute__((always_inline)) void store_sums(
 }
 """
 C_DRIVER = r"""
-#define BLOCK(N)                                                                 \
-    case N:                                                                      \
-        if (ng == 1) rows_block(xr, k, w, g, 1, N, bias, dst, o);                \
-        else rows_block(xr, k, w, g, GANG_OF(N), N, bias, dst, o);               \
+#define BLOCK(N)                                                                   \
+    case N:                                                                        \
+        if (ng == 1) rows_block(xr, k, w, g, 1, N, 0, bias, dst, o);               \
+        else if (wide) rows_block(xr, k, w, g, GANG_OF(N, 1), N, 1, bias, dst, o); \
+        else rows_block(xr, k, w, g, GANG_OF(N, 0), N, 0, bias, dst, o);           \
         break;
 
 /* out[rows, o] = x[rows, k] . w^T (+ bias): x float32 row-major, w packed in groups of
-   GROUP outputs as the source says (outputs past o are zero), bias float32 [o] or NULL. The
-   rows go in blocks as even as TILE allows (8 rows at TILE 6: 4 + 4, not 6 + 2, whose 2-row
-   pass has fewer sums in flight), each block over GANG groups at a time (from the cache for
-   the blocks after the first). */
+   GROUP outputs as the source says (outputs past o are zero), bias float32 [o] or NULL. Up to
+   TILE rows are one block; more go in blocks of up to TILE rows or, where the source's WIDE
+   is less, of up to WIDE rows (wide blocks), as even as that allows (8 rows at 6: 4 + 4, not
+   6 + 2, whose 2-row pass has fewer sums in flight), each block over GANG groups at a time
+   (from the cache for the blocks after the first). */
 void LINEAR(const float *x, const float *w, const float *bias, float *out, int64_t rows,
             int64_t k, int64_t o) {
-    int64_t groups = (o + GROUP - 1) / GROUP, blocks = (rows + TILE - 1) / TILE;
+    const int wide = WIDE < TILE && rows > TILE;
+    int64_t tile = wide ? WIDE : TILE;
+    int64_t groups = (o + GROUP - 1) / GROUP, blocks = (rows + tile - 1) / tile;
     for (int64_t gang = 0; gang < groups; gang += GANG) {
         int64_t end = gang + GANG < groups ? gang + GANG : groups;
         for (int64_t blk = 0, r = 0; blk < blocks; blk++) {
@@ -72,7 +77,7 @@ void LINEAR(const float *x, const float *w, const float *bias, float *out, int64
             const float *xr = x + r * k;
             float *dst = out + r * o;
             for (int64_t g = gang; g < end;) {
-                int ng = g + GANG_OF(n) <= end ? GANG_OF(n) : 1;
+                int ng = g + GANG_OF(n, wide) <= end ? GANG_OF(n, wide) : 1;
                 switch (n) {
                     BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6)
 #if TILE > 6

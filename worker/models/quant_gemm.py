@@ -66,8 +66,9 @@ SOURCE = (
 #define GROUP VW
 #define NB 1
 #define TILE 8
+#define WIDE TILE  /* no wide blocks */
 #define GANG 4
-#define GANG_OF(n) ((n) >= 8 ? 1 : 8 / (n) > GANG ? GANG : 8 / (n))
+#define GANG_OF(n, wide) ((n) >= 8 ? 1 : 8 / (n) > GANG ? GANG : 8 / (n))
 typedef float vf __attribute__((vector_size(4 * VW)));
 typedef int32_t vi __attribute__((vector_size(4 * VW)));
 typedef uint32_t vu __attribute__((vector_size(4 * VW)));
@@ -107,7 +108,8 @@ static inline __attribute__((always_inline)) vf weights(vu word, const int i, vf
    registers); then each row's sums plus the bias to `out`. */
 static inline __attribute__((always_inline)) void rows_block(
     const float *x, int64_t k, const float *w, int64_t g0, const int ng, const int n,
-    const float *bias, float *out, int64_t o) {
+    const int wide, const float *bias, float *out, int64_t o) {
+    (void)wide;  /* never: WIDE is TILE */
     vf acc[GANG][TILE][NB];
     for (int g = 0; g < ng; g++)
         for (int r = 0; r < n; r++) acc[g][r][0] = (vf){0};
