@@ -16,23 +16,39 @@ Q8_0) against `f32_gemm` over their float32 values instead (the same bits expect
 steps with its GGUF blocks on and off, one step each in turn (`bench_decode_kernel.py`'s
 `engine_steps`, its `--sequences`, `--groups`, `--prefix`, `--own` and `--steps`).
 
+`--base-tree DIR`: `f32_gemm` as built here against another checkout's (its source built
+beside this tree's; the layout and call must be this tree's), alternating within each
+round: each row count's ms and GFLOP/s over the layers' weights from memory and over one
+weight in cache, and the ratio of the times. With `--model DIR`: whole decode steps of an
+engine, the two serving alternate steps (as `--blocks` does blocks on and off).
+
     python bench/bench_linears.py                      # SmolLM2-135M's shapes, 30 layers
     python bench/bench_linears.py --dtype float32 --rows 1 8 32 --shape 49152x576 --layers 2
     python bench/bench_linears.py --rows 1 8 --layers 8 --shape 4096x4096
     python bench/bench_linears.py --variant dpbf16     # bf16: one build, not the calibrated
     python bench/bench_linears.py --dense --dtype float32 --rows 64 256 512 1088 2048 --layers 4
     python bench/bench_linears.py --blocks 4 --rows 1 2 4 8 32
+    python bench/bench_linears.py --base-tree /tmp/before --rows 4 8 16 32
+    python bench/bench_linears.py --base-tree /tmp/before --model DIR --sequences 8 32
     python bench/bench_linears.py --model DIR --sequences 1 2 4 8 --groups 4
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+import worker.models.c_library as c_library
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed_linears
 import worker.models.quant_gemm as quant_gemm
@@ -62,6 +78,8 @@ def main() -> int:
                         help="the GGUF-blocks kernel at these bits against f32_gemm")
     parser.add_argument("--model", default=None,
                         help="decode steps of an engine on this GGUF-made model, blocks on / off")
+    parser.add_argument("--base-tree", type=Path, default=None,
+                        help="f32_gemm against this checkout's (float32)")
     parser.add_argument("--sequences", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--prefix", type=int, default=1024)
@@ -69,6 +87,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.base_tree is not None:
+        return against_base(args)
     if args.model is not None:
         return engine_steps(args)
     if args.blocks is not None:
@@ -176,6 +196,81 @@ def engine_steps(args: argparse.Namespace) -> int:
 
     args.dtype = "float32"
     alternate(args, {"blocks": lambda: put(True), "float32": lambda: put(False)})
+    return 0
+
+
+def base_f32_gemm(tree: Path, max_rows: int) -> f32_gemm.F32Gemm:
+    """Another checkout's `f32_gemm`: its `SOURCE` (read in a process of its own, on that
+    tree's modules) built here as a library of its own, called as this tree's."""
+    read = "import sys, worker.models.f32_gemm as m; sys.stdout.write(m.SOURCE)"
+    source = subprocess.run(
+        [sys.executable, "-c", read], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    library = c_library.build("f32_linear_base", source)
+    if library is None:
+        raise SystemExit(f"the f32_gemm of {tree} does not build here")
+    return f32_gemm.F32Gemm(library, max_rows)
+
+
+def _passes(kernel, x: torch.Tensor, weights: list[torch.Tensor], out_f: int) -> None:
+    for w in weights:
+        kernel(x, w, None, out_f)
+
+
+def against_base(args: argparse.Namespace) -> int:
+    """`--base-tree`: this tree's `f32_gemm` against another checkout's."""
+    kernel = f32_gemm.build()
+    if kernel is None:
+        print("no C compiler here")
+        return 1
+    base = base_f32_gemm(args.base_tree, kernel.max_rows)
+    if base.group != kernel.group:
+        raise SystemExit(f"{args.base_tree}'s layout differs (groups of {base.group})")
+    if args.model is not None:
+        return base_steps(args, kernel._fn, base._fn)
+    gen = torch.Generator().manual_seed(0)
+    print(f"{'rows':>4} {'shape':>10} | from memory: {'this ms':>8} {'base ms':>8} "
+          f"{'GFLOP/s':>11} {'ratio':>6} | in cache: {'GFLOP/s':>11} {'ratio':>6}")
+    for shape in args.shape:
+        out_f, in_f = (int(n) for n in shape.split("x"))
+        packed = [kernel.pack(torch.randn(out_f, in_f, generator=gen)) for _ in range(args.layers)]
+        for rows in args.rows:
+            x = torch.randn(rows, in_f, generator=gen)
+            assert torch.equal(kernel(x, packed[0], None, out_f), base(x, packed[0], None, out_f))
+            runs = {"cold": packed, "hot": packed[:1] * len(packed)}
+            times = {(name, run): [] for name in ("this", "base") for run in runs}
+            for _ in range(args.repeat):  # the two in turn, so that drift hits both
+                for name, k in (("this", kernel), ("base", base)):
+                    for run, weights in runs.items():
+                        call = partial(_passes, k, x, weights, out_f)
+                        times[(name, run)].append(median_seconds(call, 1))
+            t = {key: statistics.median(v) for key, v in times.items()}
+            gflop = 2 * rows * out_f * in_f * args.layers / 1e9
+            cold = (t[("this", "cold")], t[("base", "cold")])
+            hot = (t[("this", "hot")], t[("base", "hot")])
+            print(f"{rows:>4} {shape:>10} | {'':13}{cold[0] * 1e3:>8.2f} {cold[1] * 1e3:>8.2f} "
+                  f"{gflop / cold[0]:>5.1f}/{gflop / cold[1]:>5.1f} {cold[0] / cold[1]:>5.3f}x | "
+                  f"{'':10}{gflop / hot[0]:>5.1f}/{gflop / hot[1]:>5.1f} {hot[0] / hot[1]:>5.3f}x")
+    return 0
+
+
+def base_steps(args: argparse.Namespace, ours: ctypes._CFuncPtr, base: ctypes._CFuncPtr) -> int:
+    """`--base-tree` with `--model`: decode steps, this tree's `f32_gemm` and the base's in
+    turn (the engine's own kernel, its `max_rows` as calibrated, serving each)."""
+    from bench_decode_kernel import engine_steps as alternate
+
+    def put(fn: ctypes._CFuncPtr) -> None:
+        kernel = f32_gemm.load()
+        if kernel is not None:
+            kernel._fn = fn
+
+    args.dtype = "float32"
+    alternate(args, {"this tree": lambda: put(ours), "base": lambda: put(base)})
+    put(ours)
+    kernel = f32_gemm.load()
+    print(f"(f32_gemm took linears of up to {kernel.max_rows if kernel else 0} rows in this "
+          "engine, as calibrated at its load; more went to oneDNN or F.linear)")
     return 0
 
 
