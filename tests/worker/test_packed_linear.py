@@ -131,15 +131,14 @@ def test_linear_takes_f_linear_over_the_dense_weight_from_the_calibrated_rows(mo
 
 
 def test_dense_from_walks_down_the_row_counts_until_onednn_wins(monkeypatch):
-    # a warm-up each (dense, oneDNN), then (dense, oneDNN) seconds in three rounds at 512, 256
-    # and 128 rows: F.linear wins down to 256 rows (one round of it lost) and loses at 128
-    times = iter([9.0, 9.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0, 2.0, 1.0, 1.0, 2.0,
-                  2.0, 1.0, 2.0, 1.0, 2.0, 1.0])
+    # a warm-up each (dense, oneDNN), then (dense, oneDNN) seconds at 512, 256 and 128 rows:
+    # F.linear wins down to 256 rows and loses at 128
+    times = iter([9.0, 9.0, 1.0, 2.0, 1.0, 2.0, 2.0, 1.0])
     monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
     assert packed.MANY_ROWS[:3] == (512, 256, 128)
     assert packed.dense_from.__wrapped__(torch.float32, 1) == 256
     assert next(times, None) is None  # nothing timed past the first loss
-    times = iter([9.0, 9.0, *[2.0, 1.0] * 3])  # oneDNN wins at 512: never F.linear
+    times = iter([9.0, 9.0, 2.0, 1.0])  # oneDNN wins at 512: never F.linear
     monkeypatch.setattr(calibration, "median_seconds", lambda fn, repeat: next(times))
     assert packed.dense_from.__wrapped__(torch.float32, 1) == packed.NEVER
 

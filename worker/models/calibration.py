@@ -25,10 +25,6 @@ LAYER_OUT, LAYER_IN = 1536, 576
 # SmolLM2-135M's projections of its 576 hidden dims (qkv, o, gate_up): a layer's linears over
 # many rows, where one weight alone times within the noise
 LAYER_PROJECTIONS = (960, 576, 3072)
-# rounds of each linear's comparison (`rows_won`): one in a few single timings of f32_gemm
-# against oneDNN at 32 rows on a Zen 3 core came out 0.95-1.04x where the rest were 1.15-1.30x,
-# and a load that took that one served 32-request decode steps 1.19x as long
-LINEAR_ROUNDS = 3
 
 Timer = Callable[[torch.Tensor], float]  # x -> median seconds a weight of one path over x
 
@@ -57,19 +53,14 @@ def torch_threads(threads: int) -> Iterator[None]:
 
 
 def most_won(
-    sizes: Sequence[int],
-    ours: Callable[[int], float],
-    theirs: Callable[[int], float],
-    rounds: int = 1,
+    sizes: Sequence[int], ours: Callable[[int], float], theirs: Callable[[int], float]
 ) -> int:
-    """The last of `sizes` (walked in order, up to the first at which ours is not faster) at
-    which ours took less time; 0 where it loses at the first. Each size is timed in `rounds`
-    rounds, ours then theirs in each, and the medians of the rounds compared: a pause of the
-    machine during one timing does not decide. Nothing is timed past the first loss."""
+    """The last of `sizes` (walked in order, up to the first at which `ours(size)` is not below
+    `theirs(size)`) at which ours took less time; 0 where it loses at the first. Each size is
+    timed ours first, and nothing is timed past the first loss."""
     best = 0
     for size in sizes:
-        times = [(ours(size), theirs(size)) for _ in range(rounds)]
-        if statistics.median(a for a, _ in times) >= statistics.median(b for _, b in times):
+        if ours(size) >= theirs(size):
             break
         best = size
     return best
@@ -124,12 +115,12 @@ def rows_won(
     gen: torch.Generator,
     threads: int = 1,
 ) -> int:
-    """`most_won` over `rows` in `LINEAR_ROUNDS` rounds: ours against theirs, a weight each,
-    over [n, LAYER_IN] `dtype` inputs of each row count n, on `threads` torch threads."""
+    """`most_won` over `rows`: ours against theirs, a weight each, over [n, LAYER_IN] `dtype`
+    inputs of each row count n, on `threads` torch threads."""
 
     def timed(path: Timer) -> Callable[[int], float]:
         return lambda n: path(inputs[n])
 
     inputs = {n: torch.randn(n, LAYER_IN, generator=gen).to(dtype) for n in rows}
     with torch_threads(threads):
-        return most_won(rows, timed(ours), timed(theirs), LINEAR_ROUNDS)
+        return most_won(rows, timed(ours), timed(theirs))
