@@ -49,7 +49,9 @@ SOURCE = (
    SmolLM2's linears at 8 rows 1.4-1.5x oneDNN against 1.9-2x); more rows go in blocks of up
    to WIDE 6 rows x 2 groups (15 of 16 registers: 12 sums, 2 weight vectors, a broadcast),
    which load 8 vectors for 12 fused multiply-adds against 9 for 8. On a Zen 3 core, SmolLM2's
-   linears at 16-64 rows with the weights in cache ran 1.14-1.16x the 8 x 1 blocks' speed. */
+   linears at 16-64 rows with the weights in cache ran 1.14-1.16x the 8 x 1 blocks' speed, and
+   from memory 0.98-1.26x at 12-32 rows but 16 (0.95-1.0x: 8 x 1 took 16 rows in two blocks);
+   a 32-request decode step took 0.92x the time (bench/bench_linears.py --base-tree). */
 #ifndef VW
 #ifdef __AVX512F__
 #define VW 16
