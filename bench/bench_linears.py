@@ -41,7 +41,6 @@ import os
 import statistics
 import subprocess
 import sys
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +51,7 @@ import worker.models.c_library as c_library
 import worker.models.f32_gemm as f32_gemm
 import worker.models.packed as packed_linears
 import worker.models.quant_gemm as quant_gemm
-from worker.models.calibration import median_seconds
+from worker.models.calibration import median_seconds, per_weight
 from worker.models.packed import FEW_ROWS
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")  # qkv, o, gate_up, down (out x in)
@@ -213,11 +212,6 @@ def base_f32_gemm(tree: Path, max_rows: int) -> f32_gemm.F32Gemm:
     return f32_gemm.F32Gemm(library, max_rows)
 
 
-def _passes(kernel, x: torch.Tensor, weights: list[torch.Tensor], out_f: int) -> None:
-    for w in weights:
-        kernel(x, w, None, out_f)
-
-
 def against_base(args: argparse.Namespace) -> int:
     """`--base-tree`: this tree's `f32_gemm` against another checkout's."""
     kernel = f32_gemm.build()
@@ -242,9 +236,9 @@ def against_base(args: argparse.Namespace) -> int:
             times = {(name, run): [] for name in ("this", "base") for run in runs}
             for _ in range(args.repeat):  # the two in turn, so that drift hits both
                 for name, k in (("this", kernel), ("base", base)):
-                    for run, weights in runs.items():
-                        call = partial(_passes, k, x, weights, out_f)
-                        times[(name, run)].append(median_seconds(call, 1))
+                    for run, weights in runs.items():  # a pass over the weights, once
+                        timer = per_weight(lambda x, w, k=k, n=out_f: k(x, w, None, n), weights, 1)
+                        times[(name, run)].append(timer(x) * len(weights))
             t = {key: statistics.median(v) for key, v in times.items()}
             gflop = 2 * rows * out_f * in_f * args.layers / 1e9
             cold = (t[("this", "cold")], t[("base", "cold")])
