@@ -64,7 +64,7 @@ class MatchResult:
     """A prefix match. `indices` are the slots of the first `length` tokens (a fresh tensor;
     only safe to use while `node` is locked); `node` is where the match ended (the root on a
     miss); `host_length` counts tokens past `length` that only the host tier holds, ending at
-    `host_node`. Unpacks as `indices, node, length` (the fields DESIGN.md names)."""
+    `host_node`. Unpacks as `indices, node, length`, the contract's three fields."""
 
     indices: torch.Tensor
     node: TreeNode
@@ -77,7 +77,7 @@ class MatchResult:
 
 
 class RadixCache:
-    """Radix tree from token sequences to slot ids; see the module docstring and DESIGN.md.
+    """Radix tree from token sequences to slot ids; see the module docstring and docs/mem_cache.md.
 
     With `allocator=None` it is a pure index: nothing is freed, `indices` may be omitted on
     insert, and a match returns empty `indices` unless every node on its path was given slots.

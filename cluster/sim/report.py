@@ -1,4 +1,4 @@
-"""Summaries of simulation results: the JSON object of DESIGN.md, a table, and a plot.
+"""Summaries of simulation results: the JSON of `radixray simulate --json`, a table, a plot.
 
 Per policy: `hit_rate` (cached prompt tokens / prompt tokens), `ttft_mean`, `ttft_p50`,
 `ttft_p99`, `e2e_mean` (seconds), `load_max_over_mean` (the busiest worker's busy time over the

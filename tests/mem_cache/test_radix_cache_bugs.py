@@ -1,4 +1,4 @@
-"""One regression test per DESIGN.md invariant, each the scenario of a real radix-cache bug.
+"""One regression test per invariant (docs/mem_cache.md), each the scenario of a real bug.
 
 Every test ends with `check_integrity()` and, where an allocator is involved, slot
 conservation (`available + total_size == size` plus whatever the test itself still holds).
