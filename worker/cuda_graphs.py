@@ -44,7 +44,7 @@ from functools import partial
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
+from worker.attention.base import AttentionBatch
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)

@@ -25,14 +25,14 @@ import torch
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
-from worker.attention_backends import resolve_attention
+from worker.attention.registry import resolve_attention
 from worker.compiled import compile_model
 from worker.heap import retain_freed_memory
+from worker.kernels.linear import pack_linears
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
+from worker.loader.weights import quantized_linears, resolve_dtype
 from worker.model_runner import ModelRunner, PassInputs
-from worker.models.loader import quantized_linears, resolve_dtype
-from worker.models.packed import pack_linears
 from worker.protocol import GenerateRequest, SamplingParams, TokenChunk, WorkerStats
 from worker.request import Request, Status
 from worker.sampling import sample, stop_ids
@@ -71,11 +71,11 @@ class EngineConfig:
     # gains little (float32) or 0-10% (bfloat16 with packed linears; docs/engine.md)
     compile: bool = False
     # CPU bfloat16/float16/float32: linears through oneDNN with weights packed once at load
-    # (faster at decode sizes; see worker.models.packed), eager and compiled
+    # (faster at decode sizes; see worker.kernels.linear), eager and compiled
     pack_weights: bool = True
     # CPU float32, packed weights: linears that the model's GGUF stores as Q4_0/Q4_1/Q8_0
     # blocks read the blocks over a few rows (the float32 path's bits from ~1/5 of the bytes:
-    # worker.models.quant_gemm)
+    # worker.kernels.quant_gemm)
     gguf_blocks: bool = True
     # schedule step N+1 while the forward pass of step N runs (module docstring); off by
     # default: on a CPU the scheduling is a few % of a step (docs/engine.md)

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
-from worker.attention import AttentionBatch
+from worker.attention.base import AttentionBatch
 from worker.cuda_graphs import ChunkGraphs, DecodeGraphs, make_chunk_graphs, make_decode_graphs
-from worker.models import load_model
+from worker.loader import load_model
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
 

@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.attention_native as native
+import worker.attention.native as native
+import worker.kernels.decode_attention as decode_kernel
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.attention_kit import pass_over, random_pool
 from tests.worker.kernel_kit import build_without
-from worker import decode_kernel
-from worker.attention_backends import make_attention
-from worker.attention_native import MIN_SHARED, NativeAttention
+from worker.attention.native import MIN_SHARED, NativeAttention
+from worker.attention.registry import make_attention
 
 BF16 = torch.bfloat16
 POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from worker.engine import Engine, EngineConfig
-from worker.models import resolve_model
+from worker.loader import resolve_model
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
@@ -194,7 +194,7 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2, overlap):
 def test_smollm2_batch_over_a_shared_system_prompt_matches_hf(smollm2, monkeypatch):
     """Requests behind one long system prompt decode together over its cached KV (the
     native backend's cascade path: the shared prefix attended once per group)."""
-    import worker.attention_native as native
+    import worker.attention.native as native
 
     groups = []
 

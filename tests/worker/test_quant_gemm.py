@@ -1,4 +1,4 @@
-"""Linears over a GGUF's quantized blocks (`worker.models.quant_gemm`) and where the blocks come
+"""Linears over a GGUF's quantized blocks (`worker.kernels.quant_gemm`) and where the blocks come
 from: blocks read from a GGUF's bytes give the `gguf` package's float32 values bit for bit; the
 kernel over them gives `f32_gemm`'s bits over those values (any rows, both vector widths);
 `loader.quantized_linears` finds a model's blocks in its GGUF (fused weights, q/k rows in HF
@@ -17,14 +17,14 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-import worker.models.calibration as calibration
-import worker.models.f32_gemm as f32_gemm
-import worker.models.packed as packed
-import worker.models.quant_gemm as quant_gemm
+import worker.kernels.calibration as calibration
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.linear as packed
+import worker.kernels.quant_gemm as quant_gemm
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.kernel_kit import build_without
-from worker.models.gguf import blocks_from_raw, tensor_table
-from worker.models.loader import load_model, quantized_linears
+from worker.loader.gguf import blocks_from_raw, tensor_table
+from worker.loader.weights import load_model, quantized_linears
 
 F32 = f32_gemm.build()
 KERNELS = {bits: quant_gemm.build(bits) for bits in (4, 8)}

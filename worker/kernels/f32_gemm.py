@@ -1,6 +1,6 @@
 """float32 linears over a few rows (decode batches) in C, the weight packed once.
 
-The float32 counterpart of `worker.models.pair_gemm`, for CPUs that serve float32 (those
+The float32 counterpart of `worker.kernels.pair_gemm`, for CPUs that serve float32 (those
 without bf16 units, where `auto` keeps a float32 checkpoint's dtype). A decode step reads every
 weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them at
 ~10-16 GB/s on one Zen 4 core at 1-8 rows, and at 2-8 GB/s on an AVX2 EPYC core at 1-32 rows,
@@ -27,9 +27,9 @@ from functools import cache
 
 import torch
 
-import worker.models.c_library as c_library
-from worker.models.calibration import kernel_timer, layer_weights, onednn_timer, rows_won
-from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear, output_groups
+import worker.kernels.build as c_library
+from worker.kernels.calibration import kernel_timer, layer_weights, onednn_timer, rows_won
+from worker.kernels.few_rows import C_DRIVER, C_SUMS, FewRowsLinear, output_groups
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ shapes (one thread, bf16), 1.3-2x for the layer projections at 1-32 rows and ~1.
 bits (greedy output stays HF's in test_engine_hf_identity).
 
 On one thread, a linear over a few rows (a decode batch: the kernel's `max_rows`) goes through
-a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the CPU has
+a C loop instead (`FEW_ROWS`): in bfloat16 `worker.kernels.pair_gemm`, where the CPU has
 AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
-`worker.models.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
+`worker.kernels.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
 copy of the weight, packed for it, faster than oneDNN reads its own at those sizes; more rows,
 or more threads (oneDNN uses them all, the C loops one), go to oneDNN. Over many rows (prefill
 chunks) oneDNN's packed copy is not the fastest on every core: from the rows where torch's BLAS
@@ -21,7 +21,7 @@ over the dense weight beat it at load (`dense_from`), a linear is plain `F.linea
 oneDNN cannot reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain
 weights.
 A float32 weight that the model's GGUF stores as quantized blocks (`pack_linears`' `quantized`)
-goes, over a few rows, through `worker.models.quant_gemm` instead, which reads the blocks and
+goes, over a few rows, through `worker.kernels.quant_gemm` instead, which reads the blocks and
 gives `f32_gemm`'s bits.
 
 Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
@@ -44,17 +44,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import worker.models.f32_gemm as f32_gemm
-import worker.models.pair_gemm as pair_gemm
-import worker.models.quant_gemm as quant_gemm
-from worker.models.calibration import (
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.pair_gemm as pair_gemm
+import worker.kernels.quant_gemm as quant_gemm
+from worker.kernels.blocks import Blocks
+from worker.kernels.calibration import (
     dense_timer,
     layer_projections,
     onednn_timer,
     rows_won,
     torch_threads,
 )
-from worker.models.gguf import Blocks
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per dtype, the C kernel for linears over a few rows on one thread: `can_pack(weight, bias)`,

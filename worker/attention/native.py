@@ -14,14 +14,15 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
   the KV a per-sequence gather reads.
-- Over a bfloat16 or float32 pool, where `worker.decode_kernel` builds, every decode batch
-  goes through that C kernel instead: the same groups as segments of key slots read from the
+- Over a bfloat16 or float32 pool, where `worker.kernels.decode_attention` builds, every decode
+  batch goes through that C kernel instead: the same groups as segments of key slots read from the
   pool in place (and each sequence's own keys as one more), one online softmax per query
   across its segments (no gather, mask or merge). One sequence over 1k keys: 11-12 ms of a
   bf16 SmolLM2 step on torch's path, ~3 ms in the kernel.
 - Prefill on CPU over a float32 pool, or a bfloat16 one where the CPU has AVX512-BF16: each
   chunk of up to the most queries at which it beats torch's path on this core
-  (`kernel_queries`, timed at first use) goes through `worker.prefill_kernel`, causal over its
+  (`kernel_queries`, timed at first use) goes through `worker.kernels.prefill_attention`,
+  causal over its
   cached prefix and itself with the keys read from the pool in place (no gather, mask or
   merge). With AMX torch's flash attention multiplies bf16 in its tiles and wins from a few
   dozen queries on; without, the kernel wins at every size measured.
@@ -48,9 +49,10 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from worker import decode_kernel, prefill_kernel
-from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
-from worker.models.calibration import median_seconds, most_won
+import worker.kernels.decode_attention as decode_kernel
+import worker.kernels.prefill_attention as prefill_kernel
+from worker.attention.base import AttentionBackend, AttentionBatch, end_aligned_mask
+from worker.kernels.calibration import median_seconds, most_won
 
 # the chunk sizes `kernel_queries` times, each over a cached prefix of CALIBRATION_PREFIX keys
 CALIBRATION_QUERIES, CALIBRATION_PREFIX = (16, 64, 256, 1024), 512

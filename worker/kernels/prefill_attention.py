@@ -30,7 +30,7 @@ pool (each row's two vectors loaded once for 6 rows). Scores, weights and sums a
 within float32 rounding of exact attention. On one AVX2 EPYC core at SmolLM2's heads, 1.1-2x
 the native backend's torch path (docs/engine.md).
 
-Built at first use by `worker.models.c_library`; `load(dtype)` returns None where the kernel
+Built at first use by `worker.kernels.build`; `load(dtype)` returns None where the kernel
 cannot serve (bf16 without AVX512-BF16; no compiler), and prefill keeps torch's flash kernel.
 """
 
@@ -41,7 +41,7 @@ from functools import cache
 
 import torch
 
-import worker.models.c_library as c_library
+import worker.kernels.build as c_library
 
 ROWS = 48  # query rows (tokens x query heads of a KV head) per block, about
 

@@ -5,7 +5,7 @@ Weights may be one `model.safetensors`, shards listed by `model.safetensors.inde
 so a bf16 checkpoint loads as fp32 and the other way round.
 
 A model made from a GGUF also has its linears' quantized blocks (`quantized_linears`), for the
-kernel that reads them instead of the float32 weights (`worker.models.quant_gemm`).
+kernel that reads them instead of the float32 weights (`worker.kernels.quant_gemm`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.models.builtin import resolve_model
+from worker.kernels.blocks import Blocks
+from worker.loader.builtin import resolve_model
+from worker.loader.gguf import quantized_tensors
 from worker.models.config import ModelConfig
-from worker.models.gguf import Blocks, quantized_tensors
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from functools import cache
 
 import torch
 
-import worker.models.c_library as c_library
+import worker.kernels.build as c_library
 
 SOURCE = "#define _DEFAULT_SOURCE  /* syscall(), for AMX's permission */\n" + (
     c_library.BF16_SCALARS + c_library.ELEMENT + c_library.AVX512_EXP + c_library.AMX_TILES

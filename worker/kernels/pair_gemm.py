@@ -25,7 +25,7 @@ prefill chunks too, where it beats oneDNN at their size); more rows than that st
 On a core with AMX, oneDNN's tiles beat the vdpbf16ps and FMA builds from ~8 rows on; the AMX
 build beats oneDNN up to 32 rows, streaming the weights faster.
 
-Built at first use by `worker.models.c_library` where the CPU has AVX512-BF16; `load()` returns
+Built at first use by `worker.kernels.build` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
 """
 
@@ -36,8 +36,8 @@ from functools import cache
 
 import torch
 
-import worker.models.c_library as c_library
-from worker.models.calibration import (
+import worker.kernels.build as c_library
+from worker.kernels.calibration import (
     kernel_timer,
     layer_weights,
     median_seconds,
@@ -45,7 +45,7 @@ from worker.models.calibration import (
     rows_won,
     torch_threads,
 )
-from worker.models.few_rows import FewRowsLinear, output_groups
+from worker.kernels.few_rows import FewRowsLinear, output_groups
 
 logger = logging.getLogger(__name__)
 

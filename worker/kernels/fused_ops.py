@@ -19,7 +19,7 @@ compiler may fuse a product into an add, the norm's sum and the exp run in their
 A float32 SmolLM2 decode step with them: 0.92x the time at 1 request, 0.81x at 8, 0.95x at 32
 (docs/engine.md, "Float32 decode").
 
-Built at first use by `worker.models.c_library` (plain C that the compiler vectorizes for this
+Built at first use by `worker.kernels.build` (plain C that the compiler vectorizes for this
 CPU), once per dtype; `serves(x)` is None when they cannot be built, for another dtype or
 device, inside a `torch.compile` graph (inductor fuses the same ops there), or when torch runs
 several threads over a batch of many rows (torch's ops use them, these loops one); the layer
@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-import worker.models.c_library as c_library
+import worker.kernels.build as c_library
 
 PARALLEL_ROWS = 64  # with several torch threads, batches of more rows stay on torch's ops
 

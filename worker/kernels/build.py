@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from worker.models.builtin import cache_root
+from worker.kernels.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 

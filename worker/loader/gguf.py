@@ -11,7 +11,7 @@ llama.cpp stores the q and k projections of `llama` models with the rows of each
 interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
 
 `quantized_tensors` reads the linears' blocks as the file stores them (Q4_0, Q4_1, Q8_0:
-`Blocks`), for the kernel that computes from them (`worker.models.quant_gemm`).
+`Blocks`), for the kernel that computes from them (`worker.kernels.quant_gemm`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import os
 import struct
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +29,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from worker.kernels.blocks import BLOCK, Blocks
+
 ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
 SHARD_BYTES = 2 << 30  # float32 shards of at most ~2 GiB, listed in model.safetensors.index.json
-BLOCK = 32  # inputs a block of the quantized types `Blocks` reads
 
 # GGUF tensor name inside block N -> HF name inside `model.layers.N.`
 _LAYER_NAMES = {
@@ -207,45 +207,6 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of a q or k projection (rows = heads x dim)."""
     half = weight.shape[0] // heads // 2
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """A weight [O, K] as quantized blocks of 32 inputs: `q` [O, K] the quants (uint8 0..15 at
-    4 bits, int8 at 8), `d` and `m` [O, K / 32] float32 (m None at 8 bits, where it is 0)."""
-
-    bits: int
-    q: np.ndarray
-    d: np.ndarray
-    m: np.ndarray | None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape
-
-    def dense(self) -> torch.Tensor:
-        """The float32 weights: d * q + m (d * q is exact, so this is fma's one rounding)."""
-        o, k = self.shape
-        w = self.q.reshape(o, k // BLOCK, BLOCK).astype(np.float32)
-        w *= self.d[..., None]
-        if self.m is not None:
-            w += self.m[..., None]
-        return torch.from_numpy(w.reshape(o, k))
-
-    def rows(self, rows: np.ndarray) -> Blocks:
-        """These blocks with their output rows reordered (`rows` indexes them)."""
-        m = self.m[rows] if self.m is not None else None
-        return Blocks(self.bits, self.q[rows], self.d[rows], m)
-
-    @staticmethod
-    def stack(parts: list[Blocks]) -> Blocks | None:
-        """Parts' rows one after the other (a fused weight); None if their bits differ."""
-        if len({p.bits for p in parts}) != 1:
-            return None
-        q = np.concatenate([p.q for p in parts])
-        d = np.concatenate([p.d for p in parts])
-        m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
-        return Blocks(parts[0].bits, q, d, m)
 
 
 def blocks_from_raw(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:

@@ -1,7 +1,7 @@
 """float32 linears over a few rows whose weights are read as a GGUF stores them (Q4_0, Q4_1,
 Q8_0 blocks), each weight recomputed in registers with the bits the GGUF's dequantizer gives.
 
-A GGUF model's float32 weights are its quantized blocks dequantized (`worker.models.gguf`):
+A GGUF model's float32 weights are its quantized blocks dequantized (`worker.loader.gguf`):
 every weight of a block of 32 inputs is d * q + m, with d and m float16 and q a 4-bit (Q4_1;
 Q4_0 is q - 8, so m = -8d) or 8-bit (Q8_0, m = 0) integer. d * q is exact in float32 (an 11-bit
 significand times at most 8 bits), so one fused multiply-add, fma(q, d, m), rounds it once as
@@ -33,17 +33,17 @@ from functools import cache
 import numpy as np
 import torch
 
-import worker.models.c_library as c_library
-import worker.models.f32_gemm as f32_gemm
-from worker.models.calibration import (
+import worker.kernels.build as c_library
+import worker.kernels.f32_gemm as f32_gemm
+from worker.kernels.blocks import BLOCK, Blocks
+from worker.kernels.calibration import (
     LAYER_IN,
     LAYER_OUT,
     kernel_timer,
     onednn_timer,
     rows_won,
 )
-from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear
-from worker.models.gguf import BLOCK, Blocks
+from worker.kernels.few_rows import C_DRIVER, C_SUMS, FewRowsLinear
 
 logger = logging.getLogger(__name__)
 
