@@ -37,17 +37,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import worker.kernels.build as c_library
+import worker.kernels.build as builder
 import worker.kernels.f32_gemm as f32_gemm
 import worker.kernels.linear as packed_linears
 import worker.kernels.quant_gemm as quant_gemm
@@ -199,14 +196,10 @@ def engine_steps(args: argparse.Namespace) -> int:
 
 
 def base_f32_gemm(tree: Path, max_rows: int) -> f32_gemm.F32Gemm:
-    """Another checkout's `f32_gemm`: its `SOURCE` (read in a process of its own, on that
-    tree's modules) built here as a library of its own, called as this tree's."""
-    read = "import sys, worker.kernels.f32_gemm as m; sys.stdout.write(m.SOURCE)"
-    source = subprocess.run(
-        [sys.executable, "-c", read], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    library = c_library.build("f32_linear_base", source)
+    """Another checkout's `f32_gemm`: its C source (and the headers beside it) built here as a
+    library of its own, called as this tree's."""
+    source = tree / "worker" / "kernels" / "csrc" / f32_gemm.SOURCE
+    library = builder.build("f32_linear_base", source)
     if library is None:
         raise SystemExit(f"the f32_gemm of {tree} does not build here")
     return f32_gemm.F32Gemm(library, max_rows)

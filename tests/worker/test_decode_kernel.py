@@ -111,8 +111,8 @@ def test_the_float32_vector_path_matches_float64_attention_at_either_width(
     a CPU without AVX512-BF16, and over a float32 pool. The groups give a KV head 3, 9 and
     12-48 queries over their prefixes: dot products, and the many queries' vectors (more than
     3 of them, and a last partial one)."""
-    source = ("#define ELEM_F32 1\n" if dtype == torch.float32 else "") + decode_kernel.SOURCE
-    library = build_without(source, "-mno-avx512bf16", tmp_path, f"-DVW={width}")
+    defines = [f"-DVW={width}"] + (["-DELEM_F32=1"] if dtype == torch.float32 else [])
+    library = build_without(decode_kernel.SOURCE, "-mno-avx512bf16", tmp_path, *defines)
     kernel = decode_kernel.DecodeKernel(library, dtype)
     for seed, (kvh, group, dim) in enumerate([(3, 3, 64), (1, 4, 16), (2, 1, 48)]):
         groups = [(600, [1, 70, 3]), (0, [300]), (40, [5, 9]), (290, list(range(1, 13)))]

@@ -111,8 +111,7 @@ def test_the_kernel_gives_f32_gemms_bits_over_the_blocks_values(type_name):
 def test_either_width_gives_those_bits_too(tmp_path, width, bits):
     """Built at 8 lanes (a CPU without AVX-512) and at 16 (AVX-512's), whichever this core
     builds by default, run here: groups of that many outputs, blocks of 1-8 rows."""
-    library = build_without(f"#define BITS {bits}\n" + quant_gemm.SOURCE, f"-DVW={width}",
-                            tmp_path)  # fmt: skip
+    library = build_without(quant_gemm.SOURCE, f"-DVW={width}", tmp_path, f"-DBITS={bits}")
     kernel = quant_gemm.QuantGemm(library, bits, quant_gemm.MAX_ROWS)
     assert kernel.group == width
     type_name = "Q4_1" if bits == 4 else "Q8_0"
