@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
 
@@ -23,7 +23,7 @@ import worker.kernels.linear as packed
 import worker.kernels.quant_gemm as quant_gemm
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.kernel_kit import build_without
-from worker.loader.gguf import blocks_from_raw, tensor_table
+from worker.loader.gguf import blocks_from_raw
 from worker.loader.weights import load_model, quantized_linears
 
 F32 = f32_gemm.build()
@@ -47,43 +47,6 @@ def test_blocks_from_gguf_bytes_are_the_gguf_packages_values(type_name):
     assert np.array_equal(blocks.dense().numpy(), values)
     raw = quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.F16)
     assert blocks_from_raw("F16", raw, (4, 64)) is None  # other types stay float32
-
-
-def test_the_tensor_table_is_what_gguf_reader_reads(tmp_path):
-    """Our reader of a GGUF's tensors (it steps over the metadata) against the `gguf`
-    package's, over metadata of every kind (strings, arrays of strings and numbers, a custom
-    alignment) and tensors of three types; a file cut short is a ValueError."""
-    path = tmp_path / "table.gguf"
-    writer = GGUFWriter(path, "llama")
-    writer.add_string("general.name", "table")
-    writer.add_array("tokenizer.ggml.tokens", ["<s>", "a", "bc" * 40])
-    writer.add_array("tokenizer.ggml.scores", [0.5, 1.0, -2.0])
-    writer.add_custom_alignment(64)
-    gen = np.random.default_rng(3)
-    for name, qtype, shape in [
-        ("blk.0.attn_q.weight", GGMLQuantizationType.Q4_1, (48, 64)),
-        ("token_embd.weight", GGMLQuantizationType.Q8_0, (40, 96)),
-        ("blk.0.attn_norm.weight", GGMLQuantizationType.F32, (64,)),
-    ]:
-        w = gen.standard_normal(shape).astype(np.float32)
-        raw = quantize(w, qtype) if qtype != GGMLQuantizationType.F32 else w
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    expected = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), bytes(t.data))
-                for t in GGUFReader(path).tensors]  # fmt: skip
-    got = [(name, kind, shape, bytes(raw)) for name, kind, shape, raw in tensor_table(path)]
-    assert got == expected and len(got) == 3
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[:200])
-    with pytest.raises(ValueError, match="ends early|past the end"):
-        tensor_table(cut)
-    other = tmp_path / "other.gguf"
-    other.write_bytes(b"not a gguf at all, but long enough")
-    with pytest.raises(ValueError, match="not a GGUF"):
-        tensor_table(other)
 
 
 def assert_f32_gemm_bits(kernel, type_name, rows, o, k, bias, seed):
