@@ -94,9 +94,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--compile", action="store_true",
                        help="--engine radixray: torch.compile the layers, eager if that fails "
                        "(the first requests wait for the compiler)")
-    model.add_argument("--overlap", action="store_true",
-                       help="--engine radixray: schedule each step while the previous "
-                       "step's forward pass runs (docs/engine.md)")
     kv = parser.add_argument_group("KV cache (per worker, --engine radixray)")
     kv.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                     help="KV slots per worker (default: sized from free memory)")

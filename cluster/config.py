@@ -75,7 +75,6 @@ class ClusterConfig:
     attention: str = "auto"
     cuda_graphs: bool = True  # CUDA: decode passes replayed from graphs (`EngineConfig`)
     compile: bool = False  # torch.compile the engine's layers (`EngineConfig.compile`)
-    overlap: bool = False  # schedule step N+1 during step N's pass (`EngineConfig.overlap`)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"

@@ -163,7 +163,7 @@ class KVMemory:
         row = self.rows.req_to_token[req.row]
         kept = -(-req.num_computed // self.page_size) * self.page_size
         # KV regions freed here: whole pages [kept, alloc_len) allocated for tokens never
-        # computed (a step scheduled before the turn was known to end: overlap mode)
+        # computed, if any
         self._free(row[kept : req.alloc_len])
         self.sessions.put(
             ParkedSession(
