@@ -46,8 +46,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
     max_running: int = 64
     # tokens per step, decodes included (chunked prefill); vLLM 0.32's OpenAI server on CPU
-    # takes 2048. A cold SmolLM2 prompt of 566 tokens in one chunk: 0.77-0.87x its time in two
-    # of 512 and 54 (bf16, a Xeon VM with AMX; 0.98x on an AVX2 EPYC)
+    # takes 2048. A cold prompt in one chunk is no slower than in several (docs/engine.md)
     prefill_budget: int = 2048
     max_context: int | None = None  # None: the model's
     enable_cache: bool = True  # radix prefix cache on/off
@@ -57,8 +56,8 @@ class EngineConfig:
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
     # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
-    # default: the first pass compiles for tens of seconds on a small CPU, and a decode step
-    # gains little (float32) or 0-10% (bfloat16 with packed linears; docs/engine.md)
+    # default: the first pass waits for the compiler, and a decode step gains little
+    # (docs/engine.md)
     compile: bool = False
     # CPU bfloat16/float16/float32: linears through oneDNN with weights packed once at load
     # (faster at decode sizes; see worker.kernels.linear), eager and compiled
@@ -198,8 +197,7 @@ class Engine:
         decode steps each) and leave no trace of them: the cache emptied, no KV event, the
         measured speeds and counters as at start. What a first pass pays once per process
         (oneDNN's kernels for these shapes, the C kernels' timings, workspace pages) is then
-        paid before the worker serves: on a Xeon VM with AMX, a cold 566-token SmolLM2 prompt
-        took 0.47-0.57 s as the first request of a fresh engine against 0.29-0.38 s after."""
+        paid before the worker serves, not by its first request (docs/engine.md)."""
         if self.has_work():
             raise RuntimeError("warm_up(): the engine is serving")
         vocab = self.model.config.vocab_size

@@ -1,6 +1,6 @@
 """Every change of KV ownership on a worker, one method per kind, each asserting what it assumes.
 
-A slot has exactly one owner at any time (DESIGN.md invariant 2): the allocator's free list,
+A slot has exactly one owner at any time: the allocator's free list,
 the radix tree, a running request's tail, or a parked session. Regions of a running request's
 row (see `worker.request`):
 

@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
 def resolve_attention(name: str, device: str | torch.device) -> str:
     """The backend "auto" means on `device`: `triton` on a CUDA device where the package
     imports (a paged kernel whose decode passes can be captured into CUDA graphs; `native`
-    there gathers KV with torch ops, ~4x slower a step on a 1B model), else `native`. Any
+    there gathers KV with torch ops, several times slower a step), else `native`. Any
     other name is itself."""
     if name != "auto":
         return name

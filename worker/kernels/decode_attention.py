@@ -22,14 +22,13 @@ the process its tile state), a KV head's queries over a segment, from `AMX_MIN_Q
 sequences over a shared prefix, at 3 query heads per KV head), score and weigh in tiles: q.k of
 16 queries against the tile's 32 keys (the K pair words are already AMX's B layout), then p @ V
 of the same 16 against the tile's V unpacked once into pairs of keys, each query's accumulator
-rescaled and added in vectors. One layer of SmolLM2's decode over a shared 1k prefix: 8
-sequences 0.59x the vdpbf16ps path's time, 4 groups of 8 0.53-0.58x, two sequences 0.84-0.86x;
-one sequence's 3 queries gain nothing (memory-bound) and stay on vdpbf16ps.
+rescaled and added in vectors. Groups over a shared prefix gain most; one sequence's few
+queries gain nothing (memory-bound) and stay on vdpbf16ps (docs/engine.md).
 
 Elsewhere, and always over a float32 pool (the dtype of CPUs without bf16 units), the same
 segments and online softmax run on float32 vectors, in plain C over the compiler's vector types:
 16 lanes where the core has AVX-512, 8 elsewhere (AVX2 has 16 registers of 8 floats: built at
-16 lanes on an AVX2 core, this path took 5-12x as long over one layer). Keys go in blocks of
+16 lanes, the register tiles would spill). Keys go in blocks of
 about 192 KB of rows (128 of SmolLM2's in float32, at most 256), every KV head over a block
 before the next, while the rows of the block after it are asked into L2 a few lines at a time
 over the block's work. A segment of up to 8 queries per KV head takes, per query, the products
@@ -38,9 +37,8 @@ p @ V takes four queries (two at 8 lanes) per pass over the block's value rows. 
 over its shared prefix) work on vectors of queries: scores of 3 keys against up to 3 vectors of
 queries at a time (each key's dims broadcast), kept keys x queries, so that the softmax runs
 down the keys on vectors of queries and p @ V broadcasts each weight, over the value rows of 32
-keys at a time (in L1) for every query. One layer of SmolLM2's decode over 1k prefixes on a Zen
-3 core, against the layout that transposed the scores into query rows and prefetched from the
-first head's pass: 4 groups of 8 sequences 0.84x, one group of 8 0.91x, of 32 0.94x.
+keys at a time (in L1) for every query (faster than transposing the scores into query rows;
+docs/engine.md).
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 
 The float32 counterpart of `worker.kernels.pair_gemm`, for CPUs that serve float32 (those
 without bf16 units, where `auto` keeps a float32 checkpoint's dtype). A decode step reads every
-weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them at
-~10-16 GB/s on one Zen 4 core at 1-8 rows, and at 2-8 GB/s on an AVX2 EPYC core at 1-32 rows,
-where it is bound by its own arithmetic; this kernel keeps the stream near what the core can
-read. The weight is packed once (`F32Gemm.pack`) into groups of outputs, input by input within
-a group (`[O/G][K][G]`), so each input's G weights are consecutive vectors, multiplied by that
-input broadcast and added into the group's float32 sums, a block of rows sharing each load:
-with AVX-512 groups of 64 (four 16-float vectors) and blocks of up to 6 rows; elsewhere groups
-of 8 (one 8-float vector) and blocks of up to 8 rows, so up to 8 rows take the weights from
-memory once. Plain C on GCC's vector types, so it builds for any x86 or Arm CPU. Measured by
-`bench/bench_linears.py --dtype float32` on SmolLM2-135M's layer shapes (one thread, 30 layers'
-weights from memory): see docs/engine.md.
+weight once: in float32, twice the bytes of bf16. oneDNN's packed float32 linear reads them well
+below what the core can stream at a few rows, bound by its own arithmetic; this kernel keeps the
+stream near what the core can read. The weight is packed once (`F32Gemm.pack`) into groups of
+outputs, input by input within a group (`[O/G][K][G]`), so each input's G weights are
+consecutive vectors, multiplied by that input broadcast and added into the group's float32 sums,
+a block of rows sharing each load: with AVX-512 groups of 64 (four 16-float vectors) and blocks
+of up to 6 rows; elsewhere groups of 8 (one 8-float vector) and blocks of up to 8 rows, so up to
+8 rows take the weights from memory once. Plain C on GCC's vector types, so it builds for any
+x86 or Arm CPU. Measured by `bench/bench_linears.py --dtype float32` on SmolLM2-135M's layer
+shapes (one thread, 30 layers' weights from memory): see docs/engine.md.
 
 Each output is one float32 sum over the inputs in order, then the bias, however many rows share
 the call (a row's result does not depend on the rows beside it): not oneDNN's order, so results
@@ -66,7 +65,7 @@ def can_pack(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[O, K] in the layout of the kernel built here (`packed.pack_linears` calls it only where
+    """[O, K] in the layout of the kernel built here (`linear.pack_linears` calls it only where
     `load` gave a kernel)."""
     kernel = build()
     if kernel is None:
@@ -103,13 +102,10 @@ def calibrate(kernel: F32Gemm, repeat: int = 5) -> int:
     linears; 0 if it loses at one row.
 
     A pass goes over `CALIBRATION_BYTES` of distinct 1536x576 weights, so that they come from
-    memory as in a decode step: over one weight the cache holds, the two ran within noise of
-    each other at 4-32 rows on an AVX2 EPYC, and calibration took the kernel up to 4, 8 or 32
-    rows from one load to the next, where from memory it is 1.18-1.29x oneDNN at 32. Built for
-    AVX-512 (blocks of 6 rows) on a Zen 4 core it ran SmolLM2's layers 1.6-2.1x as fast as
-    oneDNN at 1-2 rows and 1.04-1.2x at 32 (docs/engine.md); on that EPYC (groups of 8
-    outputs, blocks of 8 rows) 1.81-2.01x at 1 and 8 rows (`bench/bench_linears.py --dtype
-    float32`). Timed on one thread, as it runs; ~1 s at load, ~200 MB while it runs."""
+    memory as in a decode step: over one weight the cache holds, the two run within noise of
+    each other and the choice would change from one load to the next (figures:
+    docs/engine.md, `bench/bench_linears.py --dtype float32`). Timed on one thread, as it
+    runs."""
     gen = torch.Generator().manual_seed(0)
     dense = layer_weights(torch.float32, CALIBRATION_BYTES, gen)
     ours = kernel_timer(kernel, [kernel.pack(w) for w in dense], repeat)

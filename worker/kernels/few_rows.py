@@ -23,7 +23,7 @@ class FewRowsLinear:
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         self._fn = fn
-        self.max_rows = max_rows  # linears over more rows go to oneDNN (`packed.linear`)
+        self.max_rows = max_rows  # linears over more rows go to oneDNN (`linear.linear`)
 
     def up_to(self, rows: int) -> FewRowsLinear:
         """The same kernel, taking linears of at most `rows` rows."""

@@ -16,8 +16,7 @@ results are eager's bits but for the order of a norm's sum of squares and the ex
 The float32 build (`load(torch.float32)`, the same source with `ELEM_F32`) computes the same
 formulas without the roundings, so its results are within float32 rounding of eager's (the
 compiler may fuse a product into an add, the norm's sum and the exp run in their own order).
-A float32 SmolLM2 decode step with them: 0.92x the time at 1 request, 0.81x at 8, 0.95x at 32
-(docs/engine.md, "Float32 decode").
+A float32 decode step is faster with them (docs/engine.md, "Float32 decode").
 
 Built at first use by `worker.kernels.build` (plain C that the compiler vectorizes for this
 CPU), once per dtype; `serves(x)` is None when they cannot be built, for another dtype or

@@ -1,19 +1,17 @@
 """bfloat16 linears over a few rows (decode batches) in C, the weight packed in pairs once.
 
 A decode step multiplies a handful of rows by every weight of the model once: the work is
-reading the weights. oneDNN's packed linear reads them at ~12 GB/s on one Zen 4 core at 1-8 rows,
-where the core streams ~30 GB/s. This kernel is a plain dot-product loop that keeps the stream
+reading the weights. oneDNN's packed linear reads them well below what the core can stream at
+a few rows. This kernel is a plain dot-product loop that keeps the stream
 going: the weight is packed once (`pack`) into groups of 64 outputs, and within a group pair by
 pair (`[O/64][K/2][64][2]`, pairs of consecutive inputs), so one 64-byte load holds 16 outputs'
 pair and `vdpbf16ps` (AVX512-BF16) multiplies it with the input's pair broadcast: products exact,
 sums in float32, one rounding to bfloat16 at the end. The sums run in the order oneDNN's bf16
 kernels take (pair after pair), so the outputs are oneDNN's bits but for a rare last-bit
-rounding (>= 99.9% of outputs the same in `bench/bench_linears.py`). Measured there on
-SmolLM2-135M's shapes (one thread, 30 layers' weights from memory): 1.5-2.3x oneDNN's packed
-linear at 1-4 rows (20-29 GB/s), 1.1-1.7x at 6-16, 1.06-1.19x at 24-64 (where the work is
-arithmetic and both run near the core's bf16 peak).
+rounding (`bench/bench_linears.py` counts them). It gains most at a few rows; from a few dozen
+rows on the work is arithmetic and both run near the core's bf16 peak (docs/engine.md).
 
-Not every core with AVX512-BF16 issues `vdpbf16ps` at that rate. A second build of the tiles
+Not every core with AVX512-BF16 issues `vdpbf16ps` at full rate. A second build of the tiles
 (`pair_linear_fma`) widens each weight pair to float32 once per tile of rows and multiplies with
 float32 FMAs, in the same order, to the same sums; from `WIDE_MIN` rows on (prefill chunks) it
 widens each group of 64 outputs' weights once per call into a buffer that stays in L2, and five
@@ -22,8 +20,8 @@ process its tile state) a third build (`pair_linear_amx`) multiplies 16 rows at 
 tiles, the pair layout being the layout of AMX's weight tile. `load` times the builds and
 oneDNN (`calibrate`) and takes the fastest up to the most rows it beats oneDNN at (all rows,
 prefill chunks too, where it beats oneDNN at their size); more rows than that stay on oneDNN.
-On a core with AMX, oneDNN's tiles beat the vdpbf16ps and FMA builds from ~8 rows on; the AMX
-build beats oneDNN up to 32 rows, streaming the weights faster.
+On a core with AMX, oneDNN's tiles beat the vdpbf16ps and FMA builds from a few rows on; the
+AMX build beats oneDNN over more rows, streaming the weights faster.
 
 Built at first use by `worker.kernels.build` where the CPU has AVX512-BF16; `load()` returns
 None elsewhere, and linears stay on oneDNN.
@@ -121,15 +119,10 @@ def calibrate(built: dict[str, PairGemm], repeat: int = 7) -> tuple[str, int]:
     it loses) at which it beats oneDNN over weights read from memory, 0 if it loses at one).
 
     Which variant that is depends on the core: `vdpbf16ps` does twice the multiply-adds of a
-    float32 FMA per instruction, but not every core issues it as often. On Zen 4 the pair
-    kernel ran near the core's bf16 peak (~233 GFLOP/s) and oneDNN about as fast at 512 rows;
-    on an Intel Xeon VM with AVX512-BF16 and no AMX, `vdpbf16ps` ran at ~85 GFLOP/s in a
-    register-only loop against ~170 for FMAs, and the FMA tiles took 0.7x oneDNN's time at 32
-    rows and 0.65x at 512 (`bench/bench_linears.py --variant`). On a Xeon VM with AMX
-    (`amx_bf16`), oneDNN's tiles ran 3072x576 at ~550 GFLOP/s at 512 rows: over SmolLM2's
-    layers from memory the kernel took 0.64-0.72x oneDNN's time at one row, 1.03-1.32x at 8 and
-    2.3-2.9x at 32. Timed on one thread, as the kernel
-    runs; ~1 s at load, ~130 MB while it runs."""
+    float32 FMA per instruction, but not every core issues it as often: on some the pair
+    kernel runs near the core's bf16 peak, on others the FMA tiles win; with AMX oneDNN's tiles
+    are fast from a few rows on (figures: docs/engine.md, `bench/bench_linears.py --variant`).
+    Timed on one thread, as the kernel runs."""
     gen = torch.Generator().manual_seed(0)
     dense = layer_weights(torch.bfloat16, 0, gen)[0]
     o, k = dense.shape

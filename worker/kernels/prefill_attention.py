@@ -3,8 +3,8 @@ float32 (any CPU).
 
 A prefill chunk of `nq` tokens attends causally to `nk` keys: its cached prefix and itself,
 query i seeing keys 0 .. nk - nq + i (the mask aligned to the end). Torch's SDPA needs the
-prefix gathered out of the pool first, and does this at 12-35 GFLOP/s on one Zen 4 core in bf16
-(`bench/bench_prefill_attention.py`).
+prefix gathered out of the pool first, and without AMX runs far below the core's bf16 peak
+(`bench/bench_prefill_attention.py`, docs/engine.md).
 
 bfloat16 (`SOURCE`): per KV head, the chunk's keys are read from the pool by slot once and
 packed into pair words with vector shuffles: K as `[blocks][D/2][32]` (two dims of a key per
@@ -18,8 +18,6 @@ spans of 512, torch's flash kernel's key split:
 - the weights rounded to bf16 (as torch's flash kernel rounds them) and multiplied with V pairs.
 The output is rounded once. Keys past a row's diagonal get no weight. A block of fewer rows (a
 chunk's last, a short chunk) computes only its rows, padded to the tiles of 8 and 4.
-Measured there: ~150-160 GFLOP/s from 65 to 2,048 tokens (the core's bf16 peak is ~230), 4-13x
-torch's SDPA.
 
 float32 (`F32_SOURCE`): the same blocks, spans and softmax on float32 vectors of GCC's vector
 types (8 lanes on AVX2, 16 with AVX-512), so it builds for any CPU. Per KV head the keys are
@@ -27,8 +25,8 @@ packed transposed (`[blocks][D][2 VW]`, by VW x VW transposes in registers), and
 run as the register tile of a float32 GEMM, 6 rows x 2 vectors: the scores over a packed block
 (each dim of it loaded once for 6 rows), then p.V over value rows read where they lie in the
 pool (each row's two vectors loaded once for 6 rows). Scores, weights and sums are float32,
-within float32 rounding of exact attention. On one AVX2 EPYC core at SmolLM2's heads, 1.1-2x
-the native backend's torch path (docs/engine.md).
+within float32 rounding of exact attention; faster than the native backend's torch path
+(docs/engine.md).
 
 Built at first use by `worker.kernels.build`; `load(dtype)` returns None where the kernel
 cannot serve (bf16 without AVX512-BF16; no compiler), and prefill keeps torch's flash kernel.

@@ -18,7 +18,7 @@ conversion and the fused multiply-add, and go into the rows' sums as `f32_gemm`'
 float32 sum of fused multiply-adds over the inputs in order (csrc/few_rows_sums.h), so a linear
 here gives the bits `f32_gemm` gives over the dequantized weight.
 
-`packed.linear` takes this kernel for a weight whose blocks the engine loaded from the model's
+`linear.linear` takes this kernel for a weight whose blocks the engine loaded from the model's
 GGUF (`loader.quantized_linears`, which checks each against the dense weight; `pack_linears`
 keeps them in the weight's registry entry), up to the rows where it beat the float32 path at
 load (`calibrate`), on one thread.
@@ -138,7 +138,7 @@ def calibrate(kernel: QuantGemm, repeat: int = 5) -> int:
 
     Each side streams `CALIBRATION_BYTES` of distinct 1536x576 weights in its own layout, so
     that they come from memory as in a decode step; compared per weight. On one thread, as it
-    runs: ~2 s at load."""
+    runs."""
     blocks = random_blocks(kernel.bits, (LAYER_OUT, LAYER_IN), np.random.default_rng(0))
     packed = kernel.pack(blocks)
     copies = max(1, CALIBRATION_BYTES // packed.nbytes)

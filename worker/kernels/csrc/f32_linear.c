@@ -5,13 +5,10 @@
    each weight load. The two widths' tiles fill their register files: with AVX-512 6 rows x 4
    vectors of sums and the 4 weight vectors (28 of 32). With AVX2, up to 8 rows take one
    block of 8 rows x 1 vector of sums (10 of 16 registers with the weight vector and a
-   broadcast input: 8 rows a pass over memory, where blocks of 6 rows x 2 vectors ran
-   SmolLM2's linears at 8 rows 1.4-1.5x oneDNN against 1.9-2x); more rows go in blocks of up
-   to WIDE 6 rows x 2 groups (15 of 16 registers: 12 sums, 2 weight vectors, a broadcast),
-   which load 8 vectors for 12 fused multiply-adds against 9 for 8. On a Zen 3 core, SmolLM2's
-   linears at 16-64 rows with the weights in cache ran 1.14-1.16x the 8 x 1 blocks' speed, and
-   from memory 0.98-1.26x at 12-32 rows but 16 (0.95-1.0x: 8 x 1 took 16 rows in two blocks);
-   a 32-request decode step took 0.92x the time (bench/bench_linears.py --base-tree). */
+   broadcast input: 8 rows a pass over memory, faster at 8 rows than blocks of 6 rows x 2
+   vectors); more rows go in blocks of up to WIDE 6 rows x 2 groups (15 of 16 registers: 12
+   sums, 2 weight vectors, a broadcast), which load 8 vectors for 12 fused multiply-adds
+   against 9 for 8 (measured with bench/bench_linears.py --base-tree: docs/engine.md). */
 #ifndef VW
 #ifdef __AVX512F__
 #define VW 16
@@ -82,8 +79,7 @@ static inline __attribute__((always_inline)) void rows_block(
             continue;
         }
         /* a WIDE block computes more than it reads: the first group's prefetch is enough
-           (with one for each group, blocks of 6 rows x 2 groups ran ~1.5x slower on a Zen 3
-           core). Every group's weights of input p go to registers, each loaded once: left to
+           (with one for each group, blocks of 6 rows x 2 groups ran slower). Every group's weights of input p go to registers, each loaded once: left to
            itself, GCC folded the load into each row's FMA and spilled sums of the 6 x 2 tile. */
         for (int b = 0; b < GROUP; b += 16)
             __builtin_prefetch((const char *)(wg + p * GROUP + b) + PF_BYTES);
