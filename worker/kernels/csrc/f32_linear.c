@@ -9,13 +9,7 @@
    vectors); more rows go in blocks of up to WIDE 6 rows x 2 groups (15 of 16 registers: 12
    sums, 2 weight vectors, a broadcast), which load 8 vectors for 12 fused multiply-adds
    against 9 for 8 (measured with bench/bench_linears.py --base-tree: docs/engine.md). */
-#ifndef VW
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-#endif
+#include "vector_width.h"
 #if VW == 16
 #define GROUP 64
 #define TILE 6

@@ -7,13 +7,7 @@
 #include "exp_reduced.h"
 
 #include <stdint.h>
-#ifndef VW
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-#endif
+#include "vector_width.h"
 typedef float vf __attribute__((vector_size(4 * VW)));
 typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));  /* any float address */
 typedef int32_t vi __attribute__((vector_size(4 * VW)));

@@ -3,13 +3,7 @@
 #include <stdint.h>
 /* VW floats a vector (16 with AVX-512, else 8; -DVW builds the other); BITS 4 or 8 a quant.
    A group is one vector of outputs (NB 1); a block of up to 8 rows shares each weight made. */
-#ifndef VW
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-#endif
+#include "vector_width.h"
 #define GROUP VW
 #define NB 1
 #define TILE 8
