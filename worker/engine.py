@@ -3,7 +3,6 @@
 `add_request` queues a request (ValueError if it is bad); each `step()` runs one scheduler step
 through the model and returns a `TokenChunk` for every request that got tokens or finished.
 The caller (the actor's engine thread) serializes all calls.
-
 """
 
 from __future__ import annotations

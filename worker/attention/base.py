@@ -7,11 +7,12 @@ all of its `kv_slots` (cached prefix + new tokens). The causal mask is aligned t
 `q_len` queries of a sequence are its last `q_len` positions, so query `i` sees keys
 `0 .. kv_len - q_len + i`.
 
-Backends: `torch` (reference, CPU and GPU, always there: a plain gather per sequence, then
-SDPA), `native` (the default: the same result from torch ops with less work, see
-`worker.attention.native`), `triton` (a paged kernel, CUDA + triton only) and `flashinfer`
-(when that package is importable). The other backends are imported lazily so this module
-loads on a machine without them.
+Backends, one file each, made by name in `registry.py`: `torch` (`torch_ref.py`, the
+reference, CPU and GPU, always there: a plain gather per sequence, then SDPA), `native`
+(`native.py`, the default: the same result from torch ops and the CPU kernels with less work),
+`triton` (`triton_paged.py`, a paged kernel, CUDA + triton only) and `flashinfer`
+(`flashinfer_paged.py`, when that package is importable). The registry imports the GPU backends
+only when named, so this module loads on a machine without them.
 """
 
 from __future__ import annotations
