@@ -37,7 +37,7 @@ from cluster.loadgen.prompts import bench_requests, block_text  # noqa: E402
 from cluster.loadgen.report import summarize  # noqa: E402
 from cluster.loadgen.runner import RunConfig, run  # noqa: E402
 from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix  # noqa: E402
-from worker.models.builtin import resolve_model  # noqa: E402
+from worker.loader.builtin import resolve_model  # noqa: E402
 
 BLOCK_TOKENS = 64  # the workload's block: the 64-token question is exactly one
 

@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (`worker.decode_kernel`) on one layer, as a decode step calls it.
+"""The CPU decode-attention kernel (`worker.kernels.decode_attention`) on one layer, as a decode
+step calls it.
 
 B sequences over a shared prefix of P keys (one segment, all their queries; with `--groups`
 N, N groups of sequences over a prefix each, as a workload of several system prompts) and OWN
@@ -7,8 +8,8 @@ pool. `cold`: `--layers` pools of their own called in turn, as a step walks its 
 the other layers read in between has pushed this one's rows out of the caches); `hot`: one
 layer's pool again and again. Printed: ms per layer (median of `--repeat` rounds) and the KV
 bytes read per second. With `--base-tree DIR` the same calls also go to another checkout's
-kernel (its `worker/decode_kernel.py` source, built beside this tree's; the ctypes signature
-must be this tree's), the two alternating within each round, and the ratio is printed: a
+kernel (its `worker/kernels/csrc/decode_attention.c`, built beside this tree's; the ctypes
+signature must be this tree's), the two alternating within each round, and the ratio is printed: a
 change side by side with the code it changes, on a machine whose speed drifts. With `--model
 DIR` the kernels serve whole decode steps of an engine instead (the model's own heads; random
 prompts of the same shape, prefilled first), each kernel one step in turn: what a kernel's
@@ -25,35 +26,25 @@ change does to a step, next to the linears and everything else a step does.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import time
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-import worker.decode_kernel as decode_kernel
-from worker import attention_native
+import worker.attention.native as attention_native
+import worker.kernels.build as builder
+import worker.kernels.decode_attention as decode_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def base_kernel(tree: Path, dtype: torch.dtype) -> decode_kernel.DecodeKernel:
-    """The kernel of another checkout: its c_library and decode_kernel modules loaded under
-    names of their own, its source built as a library of its own."""
-    spec = importlib.util.spec_from_file_location(
-        "base_c_library", tree / "worker" / "models" / "c_library.py"
-    )
-    c_library = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(c_library)
-    source = (tree / "worker" / "decode_kernel.py").read_text()
-    source = source.replace("import worker.models.c_library as c_library", "")
-    module = types.ModuleType("base_decode_kernel")
-    module.c_library = c_library
-    exec(compile(source, str(tree / "worker" / "decode_kernel.py"), "exec"), module.__dict__)
-    library = c_library.build_for("decode_attention_base", module.SOURCE, dtype)
+    """The kernel of another checkout: its C source (and the headers beside it) built here as a
+    library of its own, called as this tree's."""
+    source = tree / "worker" / "kernels" / "csrc" / decode_kernel.SOURCE
+    library = builder.build_for("decode_attention_base", source, dtype)
     if library is None:
         raise SystemExit(f"the kernel of {tree} does not build here")
     return decode_kernel.DecodeKernel(library, dtype)

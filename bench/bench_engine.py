@@ -30,7 +30,7 @@ import time
 import torch
 
 from worker.engine import Engine, EngineConfig
-from worker.models import resolve_model
+from worker.loader import resolve_model
 from worker.protocol import GenerateRequest, SamplingParams
 
 
@@ -271,8 +271,6 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="on a GPU: decode eagerly, no CUDA graphs")
     parser.add_argument("--compile", action="store_true", help="torch.compile the layers")
-    parser.add_argument("--overlap", action="store_true",
-                        help="schedule each step during the previous pass (EngineConfig.overlap)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the engine's and HF's dtype")
     # 1 by default: on a shared machine several OpenMP threads per process oversubscribe the
@@ -294,7 +292,6 @@ def main() -> None:
         max_running=args.max_running,
         attention=args.attention,
         compile=args.compile,
-        overlap=args.overlap,
         cuda_graphs=args.cuda_graphs,
         dtype=args.dtype,
         seed=0,
@@ -304,7 +301,7 @@ def main() -> None:
     print(
         f"model {args.model} on {args.device}, torch threads {torch.get_num_threads()}, "
         f"prefill budget {args.prefill_budget}, attention {engine.model.backend.name}, "
-        f"compile {args.compile}, overlap {args.overlap}, dtype {args.dtype}, cuda graphs "
+        f"compile {args.compile}, dtype {args.dtype}, cuda graphs "
         f"{engine.runner.graphs is not None}",
         flush=True,
     )

@@ -1,6 +1,6 @@
 """Linears at decode sizes: the few-rows C kernels against oneDNN's packed linear.
 
-`worker.models.pair_gemm` in bfloat16 (the default), `worker.models.f32_gemm` with `--dtype
+`worker.kernels.pair_gemm` in bfloat16 (the default), `worker.kernels.f32_gemm` with `--dtype
 float32`. For each row count, every layer's weights of one shape (distinct tensors, so the
 weights come from memory as in a decode step, not from cache) go through oneDNN's packed
 linear, then through the kernel; printed: ms per pass, the weight stream in GB/s, the ratio,
@@ -10,7 +10,7 @@ and the share of outputs with the same bits. One torch thread (the kernels' own 
 float32) against oneDNN's packed linear, in GFLOP/s, and the rows from which the engine takes
 `F.linear` on this core (`packed.dense_from`).
 
-`--blocks 4|8`: `worker.models.quant_gemm` over random GGUF blocks of that many bits (Q4_1,
+`--blocks 4|8`: `worker.kernels.quant_gemm` over random GGUF blocks of that many bits (Q4_1,
 Q8_0) against `f32_gemm` over their float32 values instead (the same bits expected). With
 `--model DIR` (a model made from a GGUF, e.g. the default SmolLM2): an engine's whole decode
 steps with its GGUF blocks on and off, one step each in turn (`bench_decode_kernel.py`'s
@@ -37,22 +37,19 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-import worker.models.c_library as c_library
-import worker.models.f32_gemm as f32_gemm
-import worker.models.packed as packed_linears
-import worker.models.quant_gemm as quant_gemm
-from worker.models.calibration import median_seconds, per_weight
-from worker.models.packed import FEW_ROWS
+import worker.kernels.build as builder
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.linear as packed_linears
+import worker.kernels.quant_gemm as quant_gemm
+from worker.kernels.calibration import median_seconds, per_weight
+from worker.kernels.linear import FEW_ROWS
 
 SMOLLM2 = ("960x576", "576x576", "3072x576", "576x1536")  # qkv, o, gate_up, down (out x in)
 
@@ -199,14 +196,10 @@ def engine_steps(args: argparse.Namespace) -> int:
 
 
 def base_f32_gemm(tree: Path, max_rows: int) -> f32_gemm.F32Gemm:
-    """Another checkout's `f32_gemm`: its `SOURCE` (read in a process of its own, on that
-    tree's modules) built here as a library of its own, called as this tree's."""
-    read = "import sys, worker.models.f32_gemm as m; sys.stdout.write(m.SOURCE)"
-    source = subprocess.run(
-        [sys.executable, "-c", read], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    library = c_library.build("f32_linear_base", source)
+    """Another checkout's `f32_gemm`: its C source (and the headers beside it) built here as a
+    library of its own, called as this tree's."""
+    source = tree / "worker" / "kernels" / "csrc" / f32_gemm.SOURCE
+    library = builder.build("f32_linear_base", source)
     if library is None:
         raise SystemExit(f"the f32_gemm of {tree} does not build here")
     return f32_gemm.F32Gemm(library, max_rows)

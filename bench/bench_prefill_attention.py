@@ -1,5 +1,5 @@
-"""Prefill attention over the KV pool: `worker.prefill_kernel` against torch's SDPA, in bf16
-(the AVX512-BF16 kernel) or float32 (`--dtype float32`: the kernel for any CPU).
+"""Prefill attention over the KV pool: `worker.kernels.prefill_attention` against torch's SDPA,
+in bf16 (the AVX512-BF16 kernel) or float32 (`--dtype float32`: the kernel for any CPU).
 
 For each chunk shape (`nq` new tokens over `nk` keys: a cached prefix, then the chunk), the
 keys sit at scattered slots of a pool as in the engine; the kernel reads them there, torch's
@@ -26,9 +26,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-import worker.prefill_kernel as prefill_kernel
-from worker.attention import end_aligned_mask
-from worker.attention_native import _prefill
+import worker.kernels.prefill_attention as prefill_kernel
+from worker.attention.base import end_aligned_mask
+from worker.attention.native import _prefill
 
 SHAPES = ("560x560", "65x560", "1100x1100", "64x2100", "2048x2048", "7x1300")  # nq x nk
 

@@ -50,7 +50,7 @@ def serve_replica(port: int, threads: int, out: str, cpus: list[int] | None) -> 
 
     from router.app import create_app
     from router.config import RouterConfig
-    from worker.models.builtin import builtin_model_path
+    from worker.loader.builtin import builtin_model_path
 
     if cpus:
         os.sched_setaffinity(0, cpus)

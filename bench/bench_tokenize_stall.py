@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.tokenizer import Tokenizer  # noqa: E402
-from worker.models.builtin import builtin_model_path  # noqa: E402
+from worker.loader.builtin import builtin_model_path  # noqa: E402
 
 
 async def stall_ms(encode: Callable[[str], list[int]], text: str, offload: bool) -> float:

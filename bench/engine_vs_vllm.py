@@ -30,7 +30,7 @@ The goals of bench/bench_engine.py (3x HF static-batch `generate` at 32 concurre
 
     RADIXRAY_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/engine_vs_vllm.py
     python bench/engine_vs_vllm.py --only radixray --json out.json   # no vLLM environment
-    python bench/engine_vs_vllm.py --radixray-args="--overlap"        # flags for `serve`
+    python bench/engine_vs_vllm.py --radixray-args="--compile"        # flags for `serve`
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ HEADERS = ("out tok/s", "ITL p50", "ITL p99", "TTFT mean", "TTFT p99", "wall", "
 
 def build_model(model: str) -> str:
     """The model directory, built through the product's own path (progress on stderr)."""
-    out = subprocess.run([sys.executable, "-m", "worker.models", model], cwd=REPO, env=ENV,
+    out = subprocess.run([sys.executable, "-m", "worker.loader", model], cwd=REPO, env=ENV,
                          stdout=subprocess.PIPE, text=True, check=True)
     return out.stdout.strip()
 
@@ -263,7 +263,7 @@ def main() -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without compiling")
     parser.add_argument("--radixray-args", type=shlex.split, default=[], metavar="ARGS",
                         help="more flags for `radixray serve`, in one string joined with '=', "
-                        "e.g. --radixray-args=--overlap")
+                        "e.g. --radixray-args=--compile")
     add_dtype_argument(parser)
     parser.add_argument("--threads", type=int, default=1, help="compute threads per engine")
     # Ray starts its worker processes (radixray's engine among them) at nice 15; on a busy

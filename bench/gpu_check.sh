@@ -53,9 +53,8 @@ if [[ $what == tests || $what == all ]]; then
     tests/worker/test_engine.py tests/mem_cache/test_radix_host_tier.py \
     tests/worker/test_cuda_graphs.py
   RADIXRAY_TEST_DEVICE=cuda RADIXRAY_TEST_ATTENTION=triton run 180 cuda_engine_tests.log \
-    $pytest tests/worker/test_engine.py tests/worker/test_overlap.py \
-    tests/worker/test_engine_host.py tests/worker/test_scheduler.py \
-    tests/worker/test_sessions.py tests/worker/test_engine_hf.py
+    $pytest tests/worker/test_engine.py tests/worker/test_engine_host.py \
+    tests/worker/test_scheduler.py tests/worker/test_sessions.py tests/worker/test_engine_hf.py
 fi
 if [[ $what == prefill || $what == all ]]; then
   shape_model

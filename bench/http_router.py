@@ -14,7 +14,7 @@ from router.app import create_app
 from router.backends import HttpBackend
 from router.config import RouterConfig
 from router.tokenizer import Tokenizer
-from worker.models.builtin import resolve_model
+from worker.loader.builtin import resolve_model
 
 
 def main() -> None:

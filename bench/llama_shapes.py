@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from worker.models.builtin import BuiltinSpec, write_random_llama  # noqa: E402
+from worker.loader.builtin import BuiltinSpec, write_random_llama  # noqa: E402
 
 SHAPES = {
     "1b": BuiltinSpec(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,

@@ -54,7 +54,7 @@ def serve_router(port: int, chunks: int) -> None:
 
     from router.app import create_app
     from router.config import RouterConfig
-    from worker.models.builtin import builtin_model_path
+    from worker.loader.builtin import builtin_model_path
 
     config = RouterConfig(model="tiny", tokenizer=str(builtin_model_path("tiny")))
     app = create_app(config, [NullBackend("null0", chunks)])

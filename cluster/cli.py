@@ -94,9 +94,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--compile", action="store_true",
                        help="--engine radixray: torch.compile the layers, eager if that fails "
                        "(the first requests wait for the compiler)")
-    model.add_argument("--overlap", action="store_true",
-                       help="--engine radixray: schedule each step while the previous "
-                       "step's forward pass runs (docs/engine.md)")
     kv = parser.add_argument_group("KV cache (per worker, --engine radixray)")
     kv.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                     help="KV slots per worker (default: sized from free memory)")
@@ -180,7 +177,7 @@ def _on_stop_signals(handler: object) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run the cluster until Ctrl-C or SIGTERM (even while workers load); always clean up."""
     from cluster.launcher import Launcher  # Ray and torch load only for `serve`
-    from worker.models.builtin import resolve_model
+    from worker.loader.builtin import resolve_model
 
     config = ClusterConfig.from_args(args)
     try:  # fetch or convert the model here, before Ray starts, so a failure is said plainly

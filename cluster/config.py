@@ -45,7 +45,7 @@ class ClusterConfig:
     the `cost` policy.
     """
 
-    # a model name (worker.models.builtin.MODEL_NAMES), a .gguf file or an HF model directory
+    # a model name (worker.loader.builtin.MODEL_NAMES), a .gguf file or an HF model directory
     model: str = "smollm2-135m-instruct"
     # what each worker runs: our engine, or vLLM's OpenAI server (`cluster/vllm_worker.py`)
     engine: str = "radixray"
@@ -65,16 +65,16 @@ class ClusterConfig:
     cpus_per_worker: float | None = None
     device: str = "auto"  # "auto": cuda when the Ray cluster has GPUs, else cpu
     # None: the checkpoint's. "auto": the checkpoint's, but a float32 one served in bfloat16 where
-    # the device computes bf16 natively (`worker.models.loader.auto_dtype`; faster, but greedy
+    # the device computes bf16 natively (`worker.loader.weights.auto_dtype`; faster, but greedy
     # text may then differ between a cache hit and a recompute). Or float32, bfloat16, float16.
     # With engine "vllm", None and "auto" are vLLM's own choice but float32 on a CPU without
     # bf16 units (`VllmConfig`).
     dtype: str | None = None
-    # attention backend of the engine (worker.attention); "auto": triton on CUDA, else native
+    # attention backend of the engine (worker.attention.registry); "auto": triton on CUDA,
+    # else native
     attention: str = "auto"
     cuda_graphs: bool = True  # CUDA: decode passes replayed from graphs (`EngineConfig`)
     compile: bool = False  # torch.compile the engine's layers (`EngineConfig.compile`)
-    overlap: bool = False  # schedule step N+1 during step N's pass (`EngineConfig.overlap`)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cost"

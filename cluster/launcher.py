@@ -35,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.config import ClusterConfig
 from cluster.fleet import Member, create_fleet, stop_fleet
 from cluster.router_actor import RouterActor
-from worker.models.builtin import resolve_model
+from worker.loader.builtin import resolve_model
 
 log = logging.getLogger("radixray.cluster")
 

@@ -228,7 +228,7 @@ def build_app(args: argparse.Namespace) -> object:
     import os
 
     from router.app import create_app
-    from worker.models.builtin import resolve_model
+    from worker.loader.builtin import resolve_model
 
     specs = [parse_worker(text) for text in args.worker]
     ids = [s.worker_id for s in specs]

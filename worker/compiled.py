@@ -4,7 +4,7 @@
 compiled `pre_attention` / `post_attention`. They are pure functions of tensors shared by every
 layer, so each compiles once (dynamic shapes: one graph for every batch size); the attention
 backend between them stays eager. Packed CPU linears stay opaque ops in the graph
-(`radixray::packed_linear`, see `worker.models.packed`): inductor fuses the norms, RoPE, SwiGLU
+(`radixray::packed_linear`, see `worker.kernels.linear`): inductor fuses the norms, RoPE, SwiGLU
 and residual adds between them, keeping the eager code's bf16 roundings (`OPTIONS`).
 Compilation happens at the first call. When it fails (no C++ compiler, an unsupported op, a
 backend error) the call is rerun eagerly, a warning is logged and the eager function is used

@@ -1,10 +1,9 @@
 """Decode passes replayed from CUDA graphs, one graph per padded batch size.
 
 On a GPU a decode pass of a small model is launch-bound: each layer is a dozen or so kernels of
-a few microseconds, and the Python that launches them takes longer than they run (a
-Llama-3.2-1B-shaped model in bf16 on an H200: ~11-15 ms a step eager at 1-8 requests, where
-reading its weights takes ~0.6 ms; docs/engine.md). A CUDA graph records the launches of
-one pass once and replays them in one call.
+a few microseconds, and the Python that launches them takes longer than they run (a step eager
+takes many times the time its weights take to read; docs/engine.md). A CUDA graph records the
+launches of one pass once and replays them in one call.
 
 `DecodeGraphs` captures, at start, one pass for each batch size of `graph_batch_sizes` over
 input tensors it owns: token ids, positions, the slots the new K/V go to, each sequence's KV
@@ -14,13 +13,12 @@ them, pads the batch to the next captured size and replays. Padding rows decode 
 position 0 over one key and write their K/V into the pool's pad slot (`KVPool.pad_slot`),
 which no allocator hands out, so they touch no one's KV.
 
-`ChunkGraphs` does the same for a pass over one sequence's chunk of new tokens that samples its
-last one: a prompt, or the part of it past a cached prefix, when it is alone in its step. Such a
-pass is launch-bound too (the 1B shape: ~650 launches, ~3 ms of kernels for 100 tokens over a
-2k-token cached prefix, in a 16-20 ms eager pass), which made a cache hit's TTFT on a GPU ~0.8x a
-cold prompt's. It pads the chunk to the next captured length; the padding tokens come after the
-real ones, so the causal mask hides them from every real query, and their K/V goes to the pad
-slot.
+`ChunkGraphs` does the same for a pass over one sequence's chunk of new tokens that samples its last
+one: a prompt, or the part of it past a cached prefix, when it is alone in its step. Such a pass
+is launch-bound too (hundreds of launches, short kernels), which left a cache hit's TTFT on a
+GPU close to a cold prompt's (docs/engine.md). It pads the chunk to the next captured length;
+the padding tokens come after the real ones, so the causal mask hides them from every real
+query, and their K/V goes to the pad slot.
 
 Only a backend whose plan reads every length and row on the device can be captured
 (`graph_plan`; today `triton`). Everything else runs eagerly, as before: mixed batches and
@@ -44,7 +42,7 @@ from functools import partial
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
+from worker.attention.base import AttentionBatch
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)

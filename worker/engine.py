@@ -3,36 +3,25 @@
 `add_request` queues a request (ValueError if it is bad); each `step()` runs one scheduler step
 through the model and returns a `TokenChunk` for every request that got tokens or finished.
 The caller (the actor's engine thread) serializes all calls.
-
-Overlap mode (`EngineConfig.overlap`): the forward pass runs in a thread of its own, and the
-CPU work around it runs meanwhile. `step()` schedules and prepares batch N+1 while the pass of
-batch N runs (a request whose token N samples gets a placeholder, filled in once known), then
-waits for N, samples it, launches N+1 and does N's bookkeeping (finishing, chunks, events)
-while N+1 runs; the caller delivers N's chunks meanwhile too. A slot a pass in flight reads or
-writes keeps its owner until the pass ends: nothing is retracted while a pass runs (a request
-that does not fit waits for the next step, which schedules after the pass), and an abort of a
-request in the pass takes effect when the pass ends. A request that finished in N was
-scheduled into N+1 before that was known: it is dropped from N+1 before launch.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import ReqToTokenPool
-from worker.attention_backends import resolve_attention
+from worker.attention.registry import resolve_attention
 from worker.compiled import compile_model
 from worker.heap import retain_freed_memory
+from worker.kernels.linear import pack_linears
 from worker.kv_events import EventLog
 from worker.kv_memory import KVMemory, make_radix_cache
-from worker.model_runner import ModelRunner, PassInputs
-from worker.models.loader import quantized_linears, resolve_dtype
-from worker.models.packed import pack_linears
+from worker.loader.weights import quantized_linears, resolve_dtype
+from worker.model_runner import ModelRunner
 from worker.protocol import GenerateRequest, SamplingParams, TokenChunk, WorkerStats
 from worker.request import Request, Status
 from worker.sampling import sample, stop_ids
@@ -56,8 +45,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
     max_running: int = 64
     # tokens per step, decodes included (chunked prefill); vLLM 0.32's OpenAI server on CPU
-    # takes 2048. A cold SmolLM2 prompt of 566 tokens in one chunk: 0.77-0.87x its time in two
-    # of 512 and 54 (bf16, a Xeon VM with AMX; 0.98x on an AVX2 EPYC)
+    # takes 2048. A cold prompt in one chunk is no slower than in several (docs/engine.md)
     prefill_budget: int = 2048
     max_context: int | None = None  # None: the model's
     enable_cache: bool = True  # radix prefix cache on/off
@@ -67,19 +55,16 @@ class EngineConfig:
     aging_steps: int = 32  # waiting steps after which a request is admitted oldest-first
     seed: int | None = None  # seed of the shared generator used by unseeded sampling
     # torch.compile the layers' dense work (falls back to eager if compiling fails). Off by
-    # default: the first pass compiles for tens of seconds on a small CPU, and a decode step
-    # gains little (float32) or 0-10% (bfloat16 with packed linears; docs/engine.md)
+    # default: the first pass waits for the compiler, and a decode step gains little
+    # (docs/engine.md)
     compile: bool = False
     # CPU bfloat16/float16/float32: linears through oneDNN with weights packed once at load
-    # (faster at decode sizes; see worker.models.packed), eager and compiled
+    # (faster at decode sizes; see worker.kernels.linear), eager and compiled
     pack_weights: bool = True
     # CPU float32, packed weights: linears that the model's GGUF stores as Q4_0/Q4_1/Q8_0
     # blocks read the blocks over a few rows (the float32 path's bits from ~1/5 of the bytes:
-    # worker.models.quant_gemm)
+    # worker.kernels.quant_gemm)
     gguf_blocks: bool = True
-    # schedule step N+1 while the forward pass of step N runs (module docstring); off by
-    # default: on a CPU the scheduling is a few % of a step (docs/engine.md)
-    overlap: bool = False
     # CUDA: replay decode passes from CUDA graphs captured at start, one per padded batch size
     # up to max_running, and the pass of one sequence's sampled chunk, one per padded length up
     # to min(prefill_budget, 2048) (worker.cuda_graphs; attention backends that allow it).
@@ -98,16 +83,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1 (or None)")
         if self.host_kv_tokens < 0 or not self.session_ttl_s > 0:
             raise ValueError("host_kv_tokens must be >= 0 and session_ttl_s > 0")
-
-
-@dataclass
-class _InFlight:
-    """A forward pass running in the forward thread (overlap mode)."""
-
-    batch: ScheduledBatch
-    sampled: list[Request]  # each holds placeholder -1 - i until the pass ends
-    future: Future  # -> (logits, seconds)
-    aborts: list[str] = field(default_factory=list)  # aborted meanwhile: applied at the end
 
 
 class Engine:
@@ -163,13 +138,6 @@ class Engine:
         )
         self._requests: dict[str, Request] = {}
         self._pending: list[TokenChunk] = []  # chunks for the next step() to return
-        self._forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix=f"{worker_id}-forward")
-            if config.overlap
-            else None
-        )
-        self._inflight: _InFlight | None = None
-        self._sync_next = False  # a request did not fit: schedule after the pass in flight
         self._prefill_tps = 0.0
         self._decode_step_s = 0.0
         self.num_steps = 0
@@ -202,19 +170,11 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None:
             return
-        if req in self.in_flight:
-            self._inflight.aborts.append(request_id)  # its slots are in use until the pass ends
-            return
         self._finish(req, "abort")
         self._pending.append(self._chunk(req))
 
-    @property
-    def in_flight(self) -> list[Request]:
-        """The requests of the forward pass running now (overlap mode; else none)."""
-        return list(self._inflight.batch.requests) if self._inflight is not None else []
-
     def has_work(self) -> bool:
-        return bool(self._requests or self._pending or self._inflight)
+        return bool(self._requests or self._pending)
 
     def close_session(self, session_id: str) -> bool:
         """Release a parked session's KV; False when there is none."""
@@ -236,8 +196,7 @@ class Engine:
         decode steps each) and leave no trace of them: the cache emptied, no KV event, the
         measured speeds and counters as at start. What a first pass pays once per process
         (oneDNN's kernels for these shapes, the C kernels' timings, workspace pages) is then
-        paid before the worker serves: on a Xeon VM with AMX, a cold 566-token SmolLM2 prompt
-        took 0.47-0.57 s as the first request of a fresh engine against 0.29-0.38 s after."""
+        paid before the worker serves, not by its first request (docs/engine.md)."""
         if self.has_work():
             raise RuntimeError("warm_up(): the engine is serving")
         vocab = self.model.config.vocab_size
@@ -268,12 +227,9 @@ class Engine:
         `settle` is False: then the caller settles once it has handed the chunks on, so the
         check (O(pool size)) never delays a request's last chunk."""
         self.expire_sessions()
-        if self._forward_thread is not None:
-            self._step_overlapped()
-        else:
-            batch = self.scheduler.schedule()
-            if batch:
-                self._run(batch)
+        batch = self.scheduler.schedule()
+        if batch:
+            self._run(batch)
         chunks, self._pending = self._pending, []
         self.take_event_batch()
         self.num_steps += 1
@@ -310,68 +266,8 @@ class Engine:
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             if n > 1:
                 prefill += n
-                req.prefill_in_flight = False
                 self.memory.cache(req)  # finished chunks become shareable at once
         return prefill
-
-    # --- overlap mode (module docstring) -------------------------------------------------------
-
-    def _step_overlapped(self) -> None:
-        if self._inflight is not None and self._sync_next:
-            self._complete()
-        batch = self.scheduler.schedule(may_preempt=self._inflight is None)
-        self._sync_next = batch.short_of_memory
-        inputs = self.runner.prepare(batch) if batch else None
-        if self._inflight is not None:
-            had_prefill, sampled_ids = self._complete()
-            live = [i for i, r in enumerate(batch.requests) if r.status is Status.RUNNING]
-            if len(live) < len(batch) or had_prefill:
-                # requests finished (or chunks were cached: rows changed): prepare again
-                batch = ScheduledBatch(
-                    [batch.requests[i] for i in live], [batch.num_new[i] for i in live]
-                )
-                inputs = self.runner.prepare(batch) if batch else None
-            elif inputs is not None:
-                self.runner.resolve(inputs, sampled_ids)
-        if inputs is not None:
-            self._launch(batch, inputs)
-
-    def _launch(self, batch: ScheduledBatch, inputs: PassInputs) -> None:
-        self.memory.rows.drop_writes(inputs.writes_shipped)  # they go with this pass
-        self._computed(batch)
-        for req, n in zip(batch.requests, batch.num_new, strict=True):
-            req.prefill_in_flight = n > 1
-        for i, req in enumerate(inputs.sampled):
-            if not self._last_token(req):  # else nothing to schedule after it
-                req.tokens.append(-1 - i)
-        future = self._forward_thread.submit(self._timed_forward, inputs)
-        self._inflight = _InFlight(batch, inputs.sampled, future)
-
-    def _timed_forward(self, inputs: PassInputs) -> tuple[torch.Tensor, float]:
-        started = time.perf_counter()
-        logits = self.runner.run(inputs)
-        return logits, time.perf_counter() - started
-
-    def _complete(self) -> tuple[bool, torch.Tensor]:
-        """Wait for the pass in flight and apply it: cache its chunks, apply the aborts that
-        came meanwhile, sample the rest, finish. Returns whether it had prefill chunks, and the
-        tokens sampled (placeholder -1 - i stands for the i-th)."""
-        inflight, self._inflight = self._inflight, None
-        logits, seconds = inflight.future.result()
-        for req in inflight.sampled:
-            if req.tokens[-1] < 0:  # its placeholder (token ids are >= 0)
-                req.tokens.pop()
-        prefill = self._cache_chunks(inflight.batch)
-        for request_id in inflight.aborts:  # nothing in flight now: they take effect at once
-            self.abort(request_id)
-        sampled = inflight.sampled
-        keep = [i for i, req in enumerate(sampled) if req.status is Status.RUNNING]
-        ids = torch.zeros(len(sampled), dtype=torch.int64)  # an aborted request's: unused
-        if keep:
-            rows = logits if len(keep) == len(sampled) else logits[keep]
-            ids[keep] = torch.tensor(self._sample(rows, [sampled[i] for i in keep]))
-        self._measure(seconds, prefill)
-        return prefill > 0, ids
 
     # --- sampling and finishing ------------------------------------------------------------------
 
@@ -397,11 +293,6 @@ class Engine:
         if req.num_output >= req.sampling.max_tokens or len(req.tokens) >= self.max_context:
             return "length"
         return None
-
-    def _last_token(self, req: Request) -> bool:
-        """Whether the token the request samples next is its last, whatever it is."""
-        after = len(req.tokens) + 1
-        return after - req.num_input >= req.sampling.max_tokens or after >= self.max_context
 
     def _finish(self, req: Request, reason: str) -> None:
         """A request ends: a session turn parks its KV, anything else releases it."""
@@ -497,8 +388,6 @@ class Engine:
         self.memory.check(self.scheduler.running)
         for req in self.scheduler.waiting:
             assert req.row is None and req.alloc_len == 0, f"{req.request_id}: waiting with KV"
-        for req in self.in_flight:  # a pass in flight uses its requests' slots
-            assert req.status is Status.RUNNING, f"{req.request_id}: in flight, not running"
 
 
 def _ema(old: float, new: float, weight: float = 0.2) -> float:

@@ -4,9 +4,8 @@ Torch's CPU allocator takes every tensor from `malloc` and gives it back on free
 a block over its mmap threshold (128 KiB at start, raised as large blocks are freed) with a
 fresh `mmap`, and returns a free heap top to the system past its trim threshold. A prefill pass
 allocates and frees a few MiB per layer, and how much of it glibc keeps depends on the order of
-earlier frees. Measured on cold 560-token SmolLM2 prompts in bf16 (one thread), in about half
-of the runs of `tests/worker/test_heap.py`'s script: some prompts fault 14,000-18,000 pages in
-again and take ~20-30 ms longer (of ~680 ms).
+earlier frees: in some runs of `tests/worker/test_heap.py`'s script a cold prompt faults
+thousands of pages in again and takes measurably longer.
 
 `retain_freed_memory()` raises the mmap threshold to glibc's maximum (32 MiB) and the trim
 threshold to 1 GiB, once per process: a pass then reuses the pages the previous one freed. The

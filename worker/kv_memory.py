@@ -1,6 +1,6 @@
 """Every change of KV ownership on a worker, one method per kind, each asserting what it assumes.
 
-A slot has exactly one owner at any time (DESIGN.md invariant 2): the allocator's free list,
+A slot has exactly one owner at any time: the allocator's free list,
 the radix tree, a running request's tail, or a parked session. Regions of a running request's
 row (see `worker.request`):
 
@@ -163,7 +163,7 @@ class KVMemory:
         row = self.rows.req_to_token[req.row]
         kept = -(-req.num_computed // self.page_size) * self.page_size
         # KV regions freed here: whole pages [kept, alloc_len) allocated for tokens never
-        # computed (a step scheduled before the turn was known to end: overlap mode)
+        # computed, if any
         self._free(row[kept : req.alloc_len])
         self.sessions.put(
             ParkedSession(

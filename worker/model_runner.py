@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
-from worker.attention import AttentionBatch
+from worker.attention.base import AttentionBatch
 from worker.cuda_graphs import ChunkGraphs, DecodeGraphs, make_chunk_graphs, make_decode_graphs
-from worker.models import load_model
+from worker.loader import load_model
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
 
@@ -80,9 +80,8 @@ class ModelRunner:
         return self.run(inputs), inputs.sampled
 
     def run(self, inputs: PassInputs) -> torch.Tensor:
-        """The forward pass of prepared inputs (the part an overlapping engine runs in its
-        forward thread: it reads only `inputs`, and writes only the KV pool and the device's
-        copy of the slot table, in stream order before the pass)."""
+        """The forward pass of prepared inputs: it reads only `inputs`, and writes only the KV
+        pool and the device's copy of the slot table, in stream order before the pass."""
         writes = inputs.table_writes
         if writes is not None:
             self.rows.device_table[writes[0], writes[1]] = writes[2]
@@ -100,15 +99,6 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, attn, self.kv_pool, inputs.logits_at
         )
 
-    @staticmethod
-    def resolve(inputs: PassInputs, sampled_ids: torch.Tensor) -> None:
-        """Replace the placeholders of a batch prepared before the previous step's tokens were
-        known: id `-1 - i` stands for `sampled_ids[i]` (`Engine` overlap mode)."""
-        ids = inputs.input_ids
-        pending = ids < 0
-        if bool(pending.any()):
-            ids[pending] = sampled_ids.to(ids.device)[-1 - ids[pending]]
-
     def prepare(self, batch: ScheduledBatch) -> PassInputs:
         """The inputs of one pass. Per step this costs O(batch) Python ints and a few small
         tensors: the slots come from the requests' rows of the host's slot table (which
@@ -116,8 +106,7 @@ class ModelRunner:
         On a GPU everything the pass needs goes up in one copy: ids, positions, rows, slots,
         and the slot-table entries written since the last pass (`ReqToTokenPool.pending_writes`),
         applied to the device's copy in `run`, which reads the batch's rows from it there. On
-        a CPU the batch's rows are copied here. A token id < 0 is a placeholder for a token
-        still being sampled (`resolve`)."""
+        a CPU the batch's rows are copied here."""
         ids: list[int] = []
         positions: list[int] = []
         rows, kv_lens, logits_at, sampled = [], [], [], []

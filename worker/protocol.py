@@ -1,4 +1,4 @@
-"""The messages between the router and a worker: plain dataclasses that encode to msgpack.
+"""The messages between the router and a worker: plain dataclasses (Ray pickles them).
 
 The router imports this module and nothing else of `worker`, so it must stay free of torch,
 Ray and the engine.
@@ -6,12 +6,8 @@ Ray and the engine.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, TypeVar
-
-import msgpack
-
-T = TypeVar("T")
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -120,20 +116,3 @@ class WorkerStats:
     block_size: int = 16
     max_context: int = 0
     model: str = ""
-
-
-def to_msgpack(message: Any) -> bytes:
-    """msgpack bytes of one protocol dataclass."""
-    return msgpack.packb(asdict(message), use_bin_type=True)
-
-
-def from_msgpack(cls: type[T], data: bytes) -> T:
-    """Inverse of `to_msgpack`; unknown keys (a newer peer) are ignored."""
-    raw = msgpack.unpackb(data, raw=False)
-    known = {f.name for f in fields(cls)}
-    values = {k: v for k, v in raw.items() if k in known}
-    if cls is GenerateRequest and isinstance(values.get("sampling"), dict):
-        values["sampling"] = SamplingParams(**values["sampling"])
-    if cls is TokenChunk and values.get("top_logprobs") is not None:
-        values["top_logprobs"] = [[tuple(p) for p in row] for row in values["top_logprobs"]]
-    return cls(**values)

@@ -3,10 +3,8 @@
 A request is one growing token sequence, `tokens = input_ids + resume_ids + generated`. The
 engine runs the model over `tokens[num_computed:]` (a prefill chunk, or the one last sampled
 token when decoding); once `num_computed == len(tokens)` the logits of the last position give
-the next token. In overlap mode (`worker.engine`) a request whose next token is still being
-computed by the pass in flight holds a placeholder id (< 0) as its last token until then. A
-retracted (preempted) request simply goes back to `num_computed == 0` and prefills its prompt
-and output so far again, mostly from the radix cache.
+the next token. A retracted (preempted) request simply goes back to `num_computed == 0` and
+prefills its prompt and output so far again, mostly from the radix cache.
 
 KV regions of a running request (slots in its `req_to_token` row, by token position):
 
@@ -59,8 +57,6 @@ class Request:
     prefix_len: int = 0
     alloc_len: int = 0
     node: Any = None
-    # a prefill chunk in a forward pass still running (overlap mode): computed, not yet cached
-    prefill_in_flight: bool = False
     # results
     cached_tokens: int | None = None  # prefix reuse at first admission (reported to client)
     num_streamed: int = 0  # generated tokens already handed out in chunks

@@ -85,7 +85,7 @@ def _is_greedy(req: Request) -> bool:
 def _pick(
     logits: torch.Tensor, requests: list[Request], generator: torch.Generator | None
 ) -> list[int]:
-    # the first maximal index, as argmax; on CPU 0.36x its time (32 rows of 49k: 0.76 ms)
+    # the first maximal index, as argmax; faster than argmax on CPU
     tokens = logits.max(dim=-1).indices.tolist()
     random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r)]
     if not random_rows:

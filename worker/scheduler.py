@@ -16,9 +16,7 @@ land in the cache rather than computing the same prefix twice (aged requests nev
 Memory: a running request that cannot get its slots even after eviction makes the scheduler
 drop parked sessions, then retract the newest running request (its computed prefix goes to the
 cache, it goes back to the head of the queue and recomputes later). A waiting request that
-does not fit is simply not admitted this step. While a forward pass is still in flight
-(`Engine` overlap mode) nothing is retracted: the request that does not fit skips the step,
-the batch says `short_of_memory`, and the engine schedules the next step after that pass.
+does not fit is simply not admitted this step.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ class ScheduledBatch:
 
     requests: list[Request]
     num_new: list[int]
-    short_of_memory: bool = False  # a running request did not fit and nothing was retracted
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -71,20 +68,19 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    def schedule(self, may_preempt: bool = True) -> ScheduledBatch:
-        """The next step's batch. `may_preempt=False`: retract no running request (their KV may
-        be in use by a forward pass in flight); one that does not fit skips this step."""
+    def schedule(self) -> ScheduledBatch:
+        """The next step's batch."""
         batch = ScheduledBatch([], [])
         budget = self.config.prefill_budget
         retracted = self.num_retracted
-        budget = self._schedule_running(batch, budget, may_preempt)
-        if self.num_retracted == retracted and not batch.short_of_memory:
+        budget = self._schedule_running(batch, budget)
+        if self.num_retracted == retracted:
             self._admit_waiting(batch, budget)  # memory is short: admit nothing
         for req in self.waiting:
             req.waited_steps += 1
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int, may_preempt: bool) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         running = self.running
         decoding = running and all(r.remaining == 1 for r in running)
         if decoding and self.memory.alloc_decodes(running):
@@ -99,26 +95,20 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            if not self._alloc_or_retract(req, req.num_computed + n, may_preempt):
-                if req.status is Status.RUNNING:  # nothing may be retracted: it skips a step
-                    batch.short_of_memory = True
-                    i += 1
-                continue  # else req itself was retracted; running[i] is now the next one
+            if not self._alloc_or_retract(req, req.num_computed + n):
+                continue  # req itself was retracted; running[i] is now the next one
             batch.requests.append(req)
             batch.num_new.append(n)
             budget = max(budget - n, 0)
             i += 1
         return budget
 
-    def _alloc_or_retract(self, req: Request, upto: int, may_preempt: bool) -> bool:
-        """Slots for a running request: evict, drop sessions, then (when `may_preempt`)
-        retract the newest running request, possibly `req` itself. False when `req` got no
-        slots: it was retracted, or it still runs and nothing may be retracted."""
+    def _alloc_or_retract(self, req: Request, upto: int) -> bool:
+        """Slots for a running request: evict, drop sessions, then retract the newest running
+        request, possibly `req` itself. False when `req` got no slots: it was retracted."""
         while not self.memory.alloc(req, upto):
             if self.memory.drop_oldest_session():
                 continue
-            if not may_preempt:
-                return False
             victim = self.running[-1]
             self.retract(victim)
             if victim is req:
@@ -160,13 +150,12 @@ class Scheduler:
     def _shares_a_running_prefill(self, req: Request) -> bool:
         """True when a request still prefilling (or admitted this step) computes a long prefix
         of `req` that is not cached yet: `req` waits, then finds it in the cache instead of
-        computing it twice (a chunk in flight counts until it is cached). Aged requests never
-        wait for this."""
+        computing it twice. Aged requests never wait for this."""
         if self.memory.radix is None or req.waited_steps >= self.config.aging_steps:
             return False
         need = req.cached_hint + self.config.defer_shared
         return any(
-            (other.remaining > 1 or other.prefill_in_flight)
+            other.remaining > 1
             and common_prefix_len(req.tokens, other.tokens) >= need
             for other in self.running
         )

@@ -19,7 +19,7 @@ from cluster.fleet import create_fleet, stop_fleet
 from cluster.launcher import Launcher
 from cluster.router_link import member_backends, router_config
 from router.app import create_app
-from worker.models.builtin import resolve_model
+from worker.loader.builtin import resolve_model
 
 pytestmark = pytest.mark.ray
 

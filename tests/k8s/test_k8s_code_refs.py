@@ -172,7 +172,7 @@ def _baked_models(kube: Any, dockerfile: str) -> set[str]:
 
 
 def test_models_are_built_in_and_baked_into_the_image(rendered: dict, kube: Any) -> None:
-    builtin = kube.import_or_skip("worker.models.builtin", "helper B1")
+    builtin = kube.import_or_skip("worker.loader.builtin", "helper B1")
     models = {o: _knobs_of_service(kube, s)["model"] for o, s in _services(rendered, kube)}
     models |= {o: _parse_head_command(kube, c).model for o, c in _clusters(rendered, kube)}
     for overlay, model in models.items():

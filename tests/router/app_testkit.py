@@ -28,7 +28,7 @@ SAFE_IDS = list(range(68, 94)) + [224, 224, 224]  # a..z and spaces
 
 
 def tiny_dir() -> str:
-    from worker.models.builtin import builtin_model_path
+    from worker.loader.builtin import builtin_model_path
 
     return str(builtin_model_path("tiny"))
 

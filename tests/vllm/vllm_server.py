@@ -31,9 +31,9 @@ def free_port() -> int:
 def cpu_dtype() -> str:
     """The dtype to run a vLLM-CPU engine in on this machine: bfloat16 where the CPU computes it
     natively, else float32 (vLLM's own choice, bfloat16 on any x86 CPU, is emulated there and
-    ~4x slower; `worker.models.loader.auto_dtype`)."""
+    ~4x slower; `worker.loader.weights.auto_dtype`)."""
     sys.path.insert(0, str(Path(__file__).parents[2]))
-    from worker.models.loader import cpu_compute_dtype
+    from worker.loader.weights import cpu_compute_dtype
 
     return str(cpu_compute_dtype()).removeprefix("torch.")
 
@@ -50,7 +50,7 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
 def vllm_model_dir(root: Path) -> Path:
     """The built-in tiny model with 32-wide attention heads, written under `root`."""
     sys.path.insert(0, str(Path(__file__).parents[2]))
-    from worker.models.builtin import resolve_model
+    from worker.loader.builtin import resolve_model
 
     out = root / "tiny-vllm"
     if not out.exists():

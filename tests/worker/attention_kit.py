@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
+from worker.attention.base import AttentionBatch
 
 
 def random_pool(gen: torch.Generator, size: int, kv_heads: int, dim: int, dtype) -> KVPool:

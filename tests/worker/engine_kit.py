@@ -13,9 +13,6 @@ from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-# the step mode of the engines `make` builds unless told: the `step_modes` fixture
-# (conftest.py) runs a test module once with each
-MODE = {"overlap": False}
 # the device and attention backend of the engines `make` builds unless told: the CPU and the
 # default backend, or what these name (the GPU machine runs the engine tests with
 # RADIXRAY_TEST_DEVICE=cuda and RADIXRAY_TEST_ATTENTION=triton; bench/gpu_check.sh)
@@ -26,7 +23,6 @@ ATTENTION = os.environ.get("RADIXRAY_TEST_ATTENTION")
 def make(**kw) -> Engine:
     """An engine with 4,096 KV slots unless `kv_tokens` says otherwise."""
     kw.setdefault("kv_tokens", 4096)
-    kw.setdefault("overlap", MODE["overlap"])
     kw.setdefault("device", DEVICE)
     if ATTENTION:
         kw.setdefault("attention", ATTENTION)

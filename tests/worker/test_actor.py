@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import replace
 
 import pytest
 import ray
@@ -19,13 +18,12 @@ pytestmark = pytest.mark.ray
 CONFIG = EngineConfig(kv_tokens=4096, prefill_budget=64)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
-def actor(request):
-    """The worker actor with a synchronous engine, then an overlapping one (the tests compare
-    its streams with a synchronous in-process engine's)."""
+@pytest.fixture(scope="module")
+def actor():
+    """The worker actor (the tests compare its streams with an in-process engine's)."""
     ray.init(include_dashboard=False, num_cpus=2, address="local")
     try:
-        handle = WorkerActor.remote(replace(CONFIG, overlap=request.param), "w-test")
+        handle = WorkerActor.remote(CONFIG, "w-test")
         ray.get(handle.ready.remote(), timeout=120)
         yield handle
     finally:

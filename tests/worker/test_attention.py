@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch, TorchAttention
-from worker.attention_backends import make_attention
+from worker.attention.base import AttentionBatch
+from worker.attention.registry import make_attention
+from worker.attention.torch_ref import TorchAttention
 
 H, KVH, D = 4, 2, 8
 

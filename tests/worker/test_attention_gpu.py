@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
-from worker.attention_backends import make_attention
+from worker.attention.base import AttentionBatch
+from worker.attention.registry import make_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -93,8 +93,8 @@ def test_triton_odd_head_dim_and_fp32():
 @pytest.mark.parametrize("name", ["triton", "flashinfer"])
 def test_small_model_logits_match_torch_backend(name, tmp_path):
     backend_or_skip(name)
-    from worker.models import load_model
-    from worker.models.builtin import generate
+    from worker.loader import load_model
+    from worker.loader.builtin import generate
 
     generate("small", tmp_path)  # head_dim 64: flashinfer has no kernels for tiny's 16
     models = {a: load_model(tmp_path, "cuda", torch.bfloat16, attention=a) for a in ("torch", name)}

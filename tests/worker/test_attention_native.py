@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
-from worker.attention_backends import make_attention
-from worker.attention_native import MIN_SHARED
+from worker.attention.base import AttentionBatch
+from worker.attention.native import MIN_SHARED
+from worker.attention.registry import make_attention
 
 H, KVH, D = 6, 2, 8
 POOL = 512

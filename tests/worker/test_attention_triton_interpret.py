@@ -19,8 +19,8 @@ CHECK = textwrap.dedent(
     from torch.nn.utils.rnn import pad_sequence
 
     from mem_cache.kv_pool import KVPool
-    from worker.attention import AttentionBatch
-    from worker.attention_backends import make_attention
+    from worker.attention.base import AttentionBatch
+    from worker.attention.registry import make_attention
 
     H, KVH = int(sys.argv[1]), int(sys.argv[2])
     D = 24  # not a power of two: the kernel pads it to 32

@@ -13,9 +13,9 @@ import torch
 import transformers
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
-from worker.models import builtin_model_path, load_model, resolve_model
-from worker.models.builtin import BUILTIN_MODELS, generate
+from worker.attention.base import AttentionBatch
+from worker.loader import builtin_model_path, load_model, resolve_model
+from worker.loader.builtin import BUILTIN_MODELS, generate
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_generation_is_deterministic(tiny_dir, tmp_path):
 
 
 def test_concurrent_processes_create_it_once(tmp_path):
-    code = "from worker.models import builtin_model_path; print(builtin_model_path('tiny'))"
+    code = "from worker.loader import builtin_model_path; print(builtin_model_path('tiny'))"
     env = {**os.environ, "RADIXRAY_CACHE": str(tmp_path)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)

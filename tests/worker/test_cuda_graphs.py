@@ -1,9 +1,9 @@
 """Decode passes replayed from CUDA graphs (`worker.cuda_graphs`).
 
 On a GPU: the engine with graphs (the default there) against the same engine without, on
-greedy output, at page sizes 1 and 16, with and without overlap, with batches that pad and
-batches above the largest graph. On CPU: the same padded buffers and in-place decode plan, run
-without recording a graph, through the Triton kernel in its interpreter (`triton_kit`).
+greedy output, at page sizes 1 and 16, with batches that pad and batches above the largest
+graph. On CPU: the same padded buffers and in-place decode plan, run without recording a graph,
+through the Triton kernel in its interpreter (`triton_kit`).
 """
 
 from __future__ import annotations
@@ -52,15 +52,14 @@ CPU_CHECK = textwrap.dedent(
     from mem_cache.kv_pool import ReqToTokenPool
     from worker.cuda_graphs import ChunkGraphs, DecodeGraphs
 
-    page_size, max_batch, overlap = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
+    page_size, max_batch = int(sys.argv[2]), int(sys.argv[3])
     # 7 prompts: decode batches of 7 and fewer as requests finish at different lengths
     prompts = prompts_of([5, 17, 3, 30, 9, 2, 12], seed=40)
     # run alone: two over a cached prompt (chunks of 20 and 50 tokens, padded to 32 and 64),
     # one past the largest chunk graph (64 tokens), run eagerly
     longer = [prompts[3] + prompt(20, 90), prompts[1] + prompt(50, 91), prompt(70, 92)]
     ref = greedy_run(make(attention="torch", page_size=page_size), prompts + longer, "r")
-    engine = make(attention="triton", page_size=page_size, max_running=max_batch + 2,
-                  overlap=overlap)
+    engine = make(attention="triton", page_size=page_size, max_running=max_batch + 2)
     # the slot table with a copy kept current from its log of writes, as on a GPU
     host = engine.memory.rows
     rows = engine.memory.rows = ReqToTokenPool(host.max_requests, host.max_context, mirror=True)
@@ -80,21 +79,16 @@ CPU_CHECK = textwrap.dedent(
 
 
 @needs_triton
-@pytest.mark.parametrize(
-    "page_size,max_batch,overlap", [(1, 8, False), (16, 4, False), (1, 8, True)]
-)
-def test_padded_decode_buffers_give_the_greedy_output_of_the_reference(
-    page_size, max_batch, overlap
-):
+@pytest.mark.parametrize("page_size,max_batch", [(1, 8), (16, 4)])
+def test_padded_decode_buffers_give_the_greedy_output_of_the_reference(page_size, max_batch):
     """The graphs' buffers and plan, run eagerly on CPU over a copy of the slot table kept
-    current from its log of writes: batches padded up to 8 (or, above a
-    largest graph of 4, run the plain way) give the torch reference's greedy tokens, stepping
-    synchronously and overlapped, also when
-    run again over the prefixes the first run cached (padding rows wrote only the pad slot);
-    so do prompts run alone through the chunk graphs' buffers, padded to 16, 32 and 64 tokens,
-    with and without a cached prefix; and the engine ends idle and clean."""
+    current from its log of writes: batches padded up to 8 (or, above a largest graph of 4,
+    run the plain way) give the torch reference's greedy tokens, also when run again over the
+    prefixes the first run cached (padding rows wrote only the pad slot); so do prompts run
+    alone through the chunk graphs' buffers, padded to 16, 32 and 64 tokens, with and without a
+    cached prefix; and the engine ends idle and clean."""
     here = str(Path(__file__).parent)
-    out = run_interpreted(CPU_CHECK, here, str(page_size), str(max_batch), str(int(overlap)))
+    out = run_interpreted(CPU_CHECK, here, str(page_size), str(max_batch))
     result = json.loads(out.strip().splitlines()[-1])
     assert result["same"]
     assert result["replays"] > 0 and result["chunks"] > 0
@@ -105,13 +99,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_graph_decode_gives_the_eager_greedy_output(page_size, overlap, dtype):
+def test_cuda_graph_decode_gives_the_eager_greedy_output(page_size, dtype):
     prompts = prompts_of([5, 40, 17, 3, 300, 9, 2, 12, 66], seed=7)
-    config = dict(device="cuda", attention="triton", page_size=page_size, overlap=overlap,
-                  dtype=dtype, max_running=16)
+    config = dict(device="cuda", attention="triton", page_size=page_size, dtype=dtype,
+                  max_running=16)
     eager = make(cuda_graphs=False, **config)
     graphs = make(**config)
     assert eager.runner.graphs is None and graphs.runner.graphs is not None

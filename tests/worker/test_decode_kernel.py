@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.attention_native as native
+import worker.attention.native as native
+import worker.kernels.decode_attention as decode_kernel
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.attention_kit import pass_over, random_pool
 from tests.worker.kernel_kit import build_without
-from worker import decode_kernel
-from worker.attention_backends import make_attention
-from worker.attention_native import MIN_SHARED, NativeAttention
+from worker.attention.native import MIN_SHARED, NativeAttention
+from worker.attention.registry import make_attention
 
 BF16 = torch.bfloat16
 POOL = 12288  # room for the largest layout below: 3 x (700 + 5 x 600) keys
@@ -111,8 +111,8 @@ def test_the_float32_vector_path_matches_float64_attention_at_either_width(
     a CPU without AVX512-BF16, and over a float32 pool. The groups give a KV head 3, 9 and
     12-48 queries over their prefixes: dot products, and the many queries' vectors (more than
     3 of them, and a last partial one)."""
-    source = ("#define ELEM_F32 1\n" if dtype == torch.float32 else "") + decode_kernel.SOURCE
-    library = build_without(source, "-mno-avx512bf16", tmp_path, f"-DVW={width}")
+    defines = [f"-DVW={width}"] + (["-DELEM_F32=1"] if dtype == torch.float32 else [])
+    library = build_without(decode_kernel.SOURCE, "-mno-avx512bf16", tmp_path, *defines)
     kernel = decode_kernel.DecodeKernel(library, dtype)
     for seed, (kvh, group, dim) in enumerate([(3, 3, 64), (1, 4, 16), (2, 1, 48)]):
         groups = [(600, [1, 70, 3]), (0, [300]), (40, [5, 9]), (290, list(range(1, 13)))]

@@ -20,11 +20,11 @@ import pytest
 from cluster import cli
 from cluster.config import ClusterConfig
 from tests.smollm2_env import require_smollm2_dir
-from worker.models.builtin import (
+from worker.kernels.cache_dir import cache_root
+from worker.loader.builtin import (
     BUILTIN_MODELS,
     FETCHED_MODELS,
     builtin_model_path,
-    cache_root,
     resolve_model,
 )
 

@@ -13,8 +13,6 @@ from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("step_modes")
-
 
 def prompts(n: int, length: int, shared: int = 0, seed: int = 0) -> list[list[int]]:
     """`n` prompts of `length` tokens whose first `shared` tokens are the same."""

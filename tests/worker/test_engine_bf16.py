@@ -6,10 +6,10 @@ skipped) every token a bf16 engine picks for chat prompts, EOS included, is HF b
 choice given the same text, up to bf16 noise: its HF logit is within `TIE` of the best one.
 Both run the same bf16 weights but round differently (one fused q/k/v and gate/up matmul
 here, separate ones in HF; the decode linears and attention in C kernels, see
-`worker.models.pair_gemm` and `worker.decode_kernel`), so a near-tie between two logits can
-flip the argmax and the texts then part: "List three prime numbers." ends after "3. 3" here
-and goes on in HF, whose logits put EOS one bf16 step (0.125) below a newline. In float32 the
-engine matches HF exactly (test_engine_hf_identity)."""
+`worker.kernels.pair_gemm` and `worker.kernels.decode_attention`), so a near-tie between two
+logits can flip the argmax and the texts then part: "List three prime numbers." ends after
+"3. 3" here and goes on in HF, whose logits put EOS one bf16 step (0.125) below a newline. In
+float32 the engine matches HF exactly (test_engine_hf_identity)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from tests.smollm2_env import require_smollm2_dir
 from worker.engine import Engine, EngineConfig
-from worker.models.loader import auto_dtype, cpu_has_bf16, resolve_dtype
+from worker.loader.weights import auto_dtype, cpu_has_bf16, resolve_dtype
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
@@ -32,7 +32,7 @@ QUESTIONS = [
 
 
 def test_auto_dtype_follows_vllms_rule(monkeypatch):
-    import worker.models.loader as loader
+    import worker.loader.weights as loader
 
     for has in (True, False):
         monkeypatch.setattr(loader, "cpu_has_bf16", lambda has=has: has)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from worker.engine import Engine, EngineConfig
-from worker.models import resolve_model
+from worker.loader import resolve_model
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
@@ -82,12 +82,11 @@ def tiny_case():
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("budget", [24, 4096])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget, overlap):
+def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget):
     prompts, expected = tiny_case
     config = EngineConfig(
         model="tiny", dtype="float32", kv_tokens=4096, page_size=page_size, attention=attention,
-        prefill_budget=budget, overlap=overlap,
+        prefill_budget=budget,
     )  # fmt: skip
     engine = Engine(config)
     for rnd in range(2):  # the second round runs over cached prefixes
@@ -97,12 +96,9 @@ def test_tiny_matches_hf_on_every_path(tiny_case, page_size, attention, budget, 
             assert all(c.cached_tokens > 0 for c in out)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_tiny_compiled_matches_hf(tiny_case, overlap):
+def test_tiny_compiled_matches_hf(tiny_case):
     prompts, expected = tiny_case
-    config = EngineConfig(
-        model="tiny", dtype="float32", kv_tokens=4096, page_size=16, compile=True, overlap=overlap
-    )
+    config = EngineConfig(model="tiny", dtype="float32", kv_tokens=4096, page_size=16, compile=True)
     engine = Engine(config)
     for rnd in range(2):
         assert [c.token_ids for c in engine_greedy(engine, prompts, 12, f"c{rnd}")] == expected
@@ -151,8 +147,8 @@ QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("page_size", "overlap"), [(1, False), (16, False), (16, True)])
-def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size, overlap):
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size):
     path, hf, tok = smollm2
     prompts = [chat(tok, q) for q in QUESTIONS]
     expected = hf_greedy(hf, prompts, 24)
@@ -161,7 +157,6 @@ def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size, overl
     engine = Engine(
         EngineConfig(
             model=path, dtype="float32", kv_tokens=8192, page_size=page_size, prefill_budget=64,
-            overlap=overlap,
         )
     )  # fmt: skip
     for rnd in range(2):  # mixed lengths in one batch; then again over cached prefixes
@@ -169,8 +164,7 @@ def test_smollm2_chat_batch_and_cached_prefix_match_hf(smollm2, page_size, overl
         assert [c.token_ids for c in out] == expected
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2, overlap):
+def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2):
     """A prompt over 2k tokens, chunked; then a second prompt sharing its first 2k tokens
     prefills only its tail, over the cached prefix."""
     path, hf, tok = smollm2
@@ -182,7 +176,6 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2, overlap):
     engine = Engine(
         EngineConfig(
             model=path, dtype="float32", kv_tokens=8192, page_size=16, prefill_budget=512,
-            overlap=overlap,
         )
     )  # fmt: skip
     first = engine_greedy(engine, [long], 8, "long")[0]
@@ -194,7 +187,7 @@ def test_smollm2_long_prompt_over_a_cached_prefix_matches_hf(smollm2, overlap):
 def test_smollm2_batch_over_a_shared_system_prompt_matches_hf(smollm2, monkeypatch):
     """Requests behind one long system prompt decode together over its cached KV (the
     native backend's cascade path: the shared prefix attended once per group)."""
-    import worker.attention_native as native
+    import worker.attention.native as native
 
     groups = []
 

@@ -9,8 +9,6 @@ from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("step_modes")
-
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

@@ -1,4 +1,4 @@
-"""The float32 few-rows linear (`worker.models.f32_gemm`): float32 sums of any shape against
+"""The float32 few-rows linear (`worker.kernels.f32_gemm`): float32 sums of any shape against
 float64, as built here and at both vector widths (AVX-512's 16 lanes, groups of 64 outputs and
 blocks of up to 6 rows; 8 lanes elsewhere, groups of 8 and one block of up to 8 rows, or blocks
 of up to 6 rows over 2 groups in a call of more rows), a row's result whatever rows share the
@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.models.calibration as calibration
-import worker.models.f32_gemm as f32_gemm
+import worker.kernels.calibration as calibration
+import worker.kernels.f32_gemm as f32_gemm
 from tests.worker.kernel_kit import build_without
 
 KERNEL = f32_gemm.build()  # as built, whether or not `load` takes it on this core

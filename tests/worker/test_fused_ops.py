@@ -1,4 +1,4 @@
-"""The C element-wise loops of a layer (`worker.models.fused_ops`) against torch's eager ops: in
+"""The C element-wise loops of a layer (`worker.kernels.fused_ops`) against torch's eager ops: in
 bf16, RoPE and the residual add bit for bit, SiLU * up and the norms up to a bf16 step or two
 in rare values (the exp inside SiLU and the order of a norm's sum of squares differ); in
 float32 (its own build), the residual add bit for bit and the rest within float32 rounding;
@@ -15,7 +15,7 @@ from engine_kit import greedy_tokens, mixed_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.models.fused_ops as fused_ops
+import worker.kernels.fused_ops as fused_ops
 from worker.engine import Engine, EngineConfig
 from worker.models import llama
 from worker.models.rope import RotaryEmbedding

@@ -9,7 +9,8 @@ import torch
 
 from tests.smollm2_env import require_smollm2_gguf
 from worker.engine import Engine, EngineConfig
-from worker.models.builtin import cache_root, resolve_model
+from worker.kernels.cache_dir import cache_root
+from worker.loader.builtin import resolve_model
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 

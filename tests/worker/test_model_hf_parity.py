@@ -13,8 +13,9 @@ import torch
 import transformers
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
-from worker.models import CausalLM, llama, load_model
+from worker.attention.base import AttentionBatch
+from worker.loader import load_model
+from worker.models import CausalLM, llama
 
 SHAPE = dict(
     vocab_size=160,

@@ -10,8 +10,9 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBatch
-from worker.models import ModelConfig, load_model
+from worker.attention.base import AttentionBatch
+from worker.loader import load_model
+from worker.models import ModelConfig
 
 SHAPE = dict(
     vocab_size=96,

@@ -14,12 +14,12 @@ import torch.nn.functional as F
 from engine_kit import greedy_tokens, mixed_prompts
 from torch import nn
 
-import worker.models.calibration as calibration
-import worker.models.f32_gemm as f32_gemm
-import worker.models.packed as packed
-import worker.models.pair_gemm as pair_gemm
+import worker.kernels.calibration as calibration
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.linear as packed
+import worker.kernels.pair_gemm as pair_gemm
 from worker.engine import Engine, EngineConfig
-from worker.models.packed import can_pack, linear, pack_linears, packed_of
+from worker.kernels.linear import can_pack, linear, pack_linears, packed_of
 from worker.offline import Completion, run_to_completion
 from worker.protocol import GenerateRequest, SamplingParams
 

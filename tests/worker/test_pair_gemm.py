@@ -1,4 +1,4 @@
-"""The pair-packed bf16 linear (`worker.models.pair_gemm`): one rounding of a float32 sum, any
+"""The pair-packed bf16 linear (`worker.kernels.pair_gemm`): one rounding of a float32 sum, any
 output count, a bias. When `linear` takes it, and the engine's output with it:
 test_packed_linear."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import worker.models.calibration as calibration
-import worker.models.pair_gemm as pair_gemm
-from worker.models.packed import linear, pack_linears
+import worker.kernels.calibration as calibration
+import worker.kernels.pair_gemm as pair_gemm
+from worker.kernels.linear import linear, pack_linears
 
 VARIANTS = pair_gemm.variants()  # as built, whether or not `load` takes one on this core
 KERNEL = VARIANTS.get("dpbf16")

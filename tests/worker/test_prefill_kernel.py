@@ -1,6 +1,6 @@
-"""The C prefill-attention kernels (`worker.prefill_kernel`): causal attention of a chunk over
-its cached prefix and itself, read from a bf16 pool (AVX512-BF16) or a float32 pool (any CPU,
-at 8 and 16 lanes) by slot, against float64 attention; the native backend taking them for
+"""The C prefill-attention kernels (`worker.kernels.prefill_attention`): causal attention of a
+chunk over its cached prefix and itself, read from a bf16 pool (AVX512-BF16) or a float32 pool
+(any CPU, at 8 and 16 lanes) by slot, against float64 attention; the native backend taking them for
 prefill chunks beside a decode batch; where they do not serve."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import worker.attention_native as native
+import worker.attention.native as native
+import worker.kernels.prefill_attention as prefill_kernel
 from tests.worker.attention_kit import pass_over, random_pool
 from tests.worker.kernel_kit import build_without
-from worker import prefill_kernel
-from worker.attention_backends import make_attention
+from worker.attention.registry import make_attention
 
 BF16 = torch.bfloat16
 POOL = 3000  # slots: room for the longest prefix and chunk drawn below

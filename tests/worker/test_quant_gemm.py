@@ -1,4 +1,4 @@
-"""Linears over a GGUF's quantized blocks (`worker.models.quant_gemm`) and where the blocks come
+"""Linears over a GGUF's quantized blocks (`worker.kernels.quant_gemm`) and where the blocks come
 from: blocks read from a GGUF's bytes give the `gguf` package's float32 values bit for bit; the
 kernel over them gives `f32_gemm`'s bits over those values (any rows, both vector widths);
 `loader.quantized_linears` finds a model's blocks in its GGUF (fused weights, q/k rows in HF
@@ -13,18 +13,18 @@ import logging
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from torch import nn
 
-import worker.models.calibration as calibration
-import worker.models.f32_gemm as f32_gemm
-import worker.models.packed as packed
-import worker.models.quant_gemm as quant_gemm
+import worker.kernels.calibration as calibration
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.linear as packed
+import worker.kernels.quant_gemm as quant_gemm
 from tests.smollm2_env import require_smollm2_dir
 from tests.worker.kernel_kit import build_without
-from worker.models.gguf import blocks_from_raw, tensor_table
-from worker.models.loader import load_model, quantized_linears
+from worker.loader.gguf import blocks_from_raw
+from worker.loader.weights import load_model, quantized_linears
 
 F32 = f32_gemm.build()
 KERNELS = {bits: quant_gemm.build(bits) for bits in (4, 8)}
@@ -47,43 +47,6 @@ def test_blocks_from_gguf_bytes_are_the_gguf_packages_values(type_name):
     assert np.array_equal(blocks.dense().numpy(), values)
     raw = quantize(np.ones((4, 64), np.float32), GGMLQuantizationType.F16)
     assert blocks_from_raw("F16", raw, (4, 64)) is None  # other types stay float32
-
-
-def test_the_tensor_table_is_what_gguf_reader_reads(tmp_path):
-    """Our reader of a GGUF's tensors (it steps over the metadata) against the `gguf`
-    package's, over metadata of every kind (strings, arrays of strings and numbers, a custom
-    alignment) and tensors of three types; a file cut short is a ValueError."""
-    path = tmp_path / "table.gguf"
-    writer = GGUFWriter(path, "llama")
-    writer.add_string("general.name", "table")
-    writer.add_array("tokenizer.ggml.tokens", ["<s>", "a", "bc" * 40])
-    writer.add_array("tokenizer.ggml.scores", [0.5, 1.0, -2.0])
-    writer.add_custom_alignment(64)
-    gen = np.random.default_rng(3)
-    for name, qtype, shape in [
-        ("blk.0.attn_q.weight", GGMLQuantizationType.Q4_1, (48, 64)),
-        ("token_embd.weight", GGMLQuantizationType.Q8_0, (40, 96)),
-        ("blk.0.attn_norm.weight", GGMLQuantizationType.F32, (64,)),
-    ]:
-        w = gen.standard_normal(shape).astype(np.float32)
-        raw = quantize(w, qtype) if qtype != GGMLQuantizationType.F32 else w
-        writer.add_tensor(name, raw, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    expected = [(t.name, t.tensor_type.name, tuple(int(d) for d in t.shape), bytes(t.data))
-                for t in GGUFReader(path).tensors]  # fmt: skip
-    got = [(name, kind, shape, bytes(raw)) for name, kind, shape, raw in tensor_table(path)]
-    assert got == expected and len(got) == 3
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[:200])
-    with pytest.raises(ValueError, match="ends early|past the end"):
-        tensor_table(cut)
-    other = tmp_path / "other.gguf"
-    other.write_bytes(b"not a gguf at all, but long enough")
-    with pytest.raises(ValueError, match="not a GGUF"):
-        tensor_table(other)
 
 
 def assert_f32_gemm_bits(kernel, type_name, rows, o, k, bias, seed):
@@ -111,8 +74,7 @@ def test_the_kernel_gives_f32_gemms_bits_over_the_blocks_values(type_name):
 def test_either_width_gives_those_bits_too(tmp_path, width, bits):
     """Built at 8 lanes (a CPU without AVX-512) and at 16 (AVX-512's), whichever this core
     builds by default, run here: groups of that many outputs, blocks of 1-8 rows."""
-    library = build_without(f"#define BITS {bits}\n" + quant_gemm.SOURCE, f"-DVW={width}",
-                            tmp_path)  # fmt: skip
+    library = build_without(quant_gemm.SOURCE, f"-DVW={width}", tmp_path, f"-DBITS={bits}")
     kernel = quant_gemm.QuantGemm(library, bits, quant_gemm.MAX_ROWS)
     assert kernel.group == width
     type_name = "Q4_1" if bits == 4 else "Q8_0"

@@ -18,8 +18,6 @@ from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest
 
-pytestmark = pytest.mark.usefixtures("step_modes")
-
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_abort_mid_prefill_chunk_frees_everything(page_size):
@@ -37,7 +35,7 @@ def test_abort_mid_prefill_chunk_frees_everything(page_size):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_abort_mid_decode_and_while_waiting(page_size, step_modes):
+def test_abort_mid_decode_and_while_waiting(page_size):
     engine = make(page_size=page_size, max_running=1)
     engine.add_request(GenerateRequest("a", prompt(40, 3), greedy(30)))
     engine.add_request(GenerateRequest("w", prompt(40, 4), greedy(30)))
@@ -54,8 +52,7 @@ def test_abort_mid_decode_and_while_waiting(page_size, step_modes):
         ("a", "abort"),
         ("w", "abort"),
     ]
-    # five steps: five tokens; overlapped, the fifth is still in flight when "a" is aborted
-    assert len(got) == (4 if step_modes else 5) and not engine.has_work()
+    assert len(got) == 5 and not engine.has_work()  # five steps: five tokens
     assert_idle_clean(engine)
 
 

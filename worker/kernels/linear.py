@@ -1,19 +1,17 @@
 """CPU linears (bfloat16, float16, float32) through oneDNN with each weight packed once, at load.
 
 `F.linear` hands oneDNN a plain row-major weight on every call; a weight reordered once into
-oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) gives the same bits (a
-bias may be added in another order) faster at decode batch sizes: measured on SmolLM2-135M's
-shapes (one thread, bf16), 1.3-2x for the layer projections at 1-32 rows and ~1.5-2x for the
-49152-row LM head, a few percent at 512 rows. In float32 (what CPUs without bf16 units run)
-`F.linear` goes to MKL, and the packed oneDNN copy is faster still: a SmolLM2 step's linears
-(layers and LM head, one thread) 80 -> 45 ms at 8 rows, 147 -> 98 ms at 32, 1.63 -> 1.34 s at
-512. oneDNN sums in another order than MKL, so float32 results differ from HF's in the last
-bits (greedy output stays HF's in test_engine_hf_identity).
+oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) gives the same bits (a bias
+may be added in another order) faster at decode batch sizes, by less as the rows grow
+(docs/engine.md). In float32 (what CPUs without bf16 units run) `F.linear` goes to MKL, and the
+packed oneDNN copy is faster still at decode sizes. oneDNN sums in another order than MKL, so
+float32 results differ from HF's in the last bits (greedy output stays HF's in
+test_engine_hf_identity).
 
 On one thread, a linear over a few rows (a decode batch: the kernel's `max_rows`) goes through
-a C loop instead (`FEW_ROWS`): in bfloat16 `worker.models.pair_gemm`, where the CPU has
+a C loop instead (`FEW_ROWS`): in bfloat16 `worker.kernels.pair_gemm`, where the CPU has
 AVX512-BF16 (same bits as oneDNN but for a rare last-bit rounding), in float32
-`worker.models.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
+`worker.kernels.f32_gemm` up to the rows where it beat oneDNN at load. Each streams a third
 copy of the weight, packed for it, faster than oneDNN reads its own at those sizes; more rows,
 or more threads (oneDNN uses them all, the C loops one), go to oneDNN. Over many rows (prefill
 chunks) oneDNN's packed copy is not the fastest on every core: from the rows where torch's BLAS
@@ -21,7 +19,7 @@ over the dense weight beat it at load (`dense_from`), a linear is plain `F.linea
 oneDNN cannot reorder on this CPU (bf16 without AVX512-BW/VL/DQ or AVX-NE-CONVERT) keeps plain
 weights.
 A float32 weight that the model's GGUF stores as quantized blocks (`pack_linears`' `quantized`)
-goes, over a few rows, through `worker.models.quant_gemm` instead, which reads the blocks and
+goes, over a few rows, through `worker.kernels.quant_gemm` instead, which reads the blocks and
 gives `f32_gemm`'s bits.
 
 Callers always hand `linear` the module's own dense weight; the packed copies sit beside it
@@ -44,17 +42,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import worker.models.f32_gemm as f32_gemm
-import worker.models.pair_gemm as pair_gemm
-import worker.models.quant_gemm as quant_gemm
-from worker.models.calibration import (
+import worker.kernels.f32_gemm as f32_gemm
+import worker.kernels.pair_gemm as pair_gemm
+import worker.kernels.quant_gemm as quant_gemm
+from worker.kernels.blocks import Blocks
+from worker.kernels.calibration import (
     dense_timer,
     layer_projections,
     onednn_timer,
     rows_won,
     torch_threads,
 )
-from worker.models.gguf import Blocks
 
 PACKED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # per dtype, the C kernel for linears over a few rows on one thread: `can_pack(weight, bias)`,
@@ -137,16 +135,14 @@ def dense_from(dtype: torch.dtype, threads: int, repeat: int = 3) -> int:
     `MANY_ROWS` (from 512 rows down, up to the first at which it loses) at which `F.linear`
     took less median time over a layer's projections; `NEVER` where it loses at 512.
 
-    Which is faster over many rows depends on the core. On a 2-core Zen 3 EPYC (AVX2), MKL's
-    float32 linears took 0.82-0.95x the packed copy's time over SmolLM2-135M's four shapes at
-    64 to 2,048 rows (one thread), and a cold 1,088-token prompt's TTFT 0.90x (docs/engine.md);
-    on the machine of this module's figures above, the packed copy was the faster at 512 rows.
-    Timed once per dtype and thread count, at load (`pack_linears`, unless the few-rows kernel
-    takes every row count there): ~0.8 s on that EPYC."""
+    Which is faster over many rows depends on the core: on some MKL's float32 linears beat the
+    packed copy from 64 rows on, on others the packed copy wins at 512 (docs/engine.md). Timed
+    once per dtype and thread count, at load (`pack_linears`, unless the few-rows kernel takes
+    every row count there)."""
     gen = torch.Generator().manual_seed(0)
     dense = layer_projections(dtype, gen)
     ours, theirs = dense_timer(dense, repeat), onednn_timer(dense, repeat)
-    with torch_threads(threads):  # MKL's first calls are slower: ~1.1x before the third here
+    with torch_threads(threads):  # MKL's first calls are slower: warm both up
         warm = torch.randn(MANY_ROWS[0], dense[0].shape[1], generator=gen).to(dtype)
         ours(warm), theirs(warm)
     rows = rows_won(ours, theirs, MANY_ROWS, dtype, gen, threads)

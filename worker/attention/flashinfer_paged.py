@@ -14,7 +14,7 @@ import flashinfer
 import torch
 
 from mem_cache.kv_pool import KVPool
-from worker.attention import AttentionBackend, AttentionBatch
+from worker.attention.base import AttentionBackend, AttentionBatch
 
 if not torch.cuda.is_available():
     raise ImportError("the flashinfer attention backend needs a CUDA device")

