@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.dispatch import Dispatch  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.registry import WorkerState  # noqa: E402
+from router.routing.registry import WorkerState  # noqa: E402
 from worker.protocol import (  # noqa: E402
     EngineShape,
     GenerateRequest,

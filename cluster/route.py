@@ -37,8 +37,8 @@ from router.config import RouterConfig
 from router.engine_events import EngineEventsConfig, EngineEventStream
 from router.engine_metrics import parse_engine_metrics
 from router.errors import bad_request
-from router.policies import POLICY_NAMES
-from router.registry import WorkerRegistry
+from router.routing.policies import POLICY_NAMES
+from router.routing.registry import WorkerRegistry
 
 _ZMQ_SCHEMES = ("tcp", "ipc")
 

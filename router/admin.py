@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from router.backends import Backend, BackendDead
 from router.errors import APIError, bad_request, not_implemented
-from router.registry import DEAD, WorkerRegistry
+from router.routing.registry import DEAD, WorkerRegistry
 from router.workers import WorkerSync
 
 _WORKER_KEYS = (

@@ -38,11 +38,11 @@ from router.admin import WorkerControl
 from router.admission import Admission
 from router.backends import Backend
 from router.config import RouterConfig
-from router.core import RoutingCore
 from router.errors import APIError, bad_request, body_too_large, invalid_api_key
 from router.generation import ChoiceRun, Job, account, merged, open_choices
 from router.openai_types import ChatRequest, CompletionRequest, parse_body
 from router.render import SSE_DONE, Renderer, sse
+from router.routing.core import RoutingCore
 from router.service import Router
 from router.tokenizer import Tokenizer
 

@@ -1,7 +1,7 @@
 """An external engine's speeds as the router observes them through its own streams.
 
 An OpenAI-compatible server reports no prefill speed or decode step, yet the estimate
-(`router.estimate`) reads both from `WorkerStats` as it does for our own workers. The router
+(`router.routing.estimate`) reads both from `WorkerStats` as it does for our own workers. The router
 times each of its requests to the engine instead:
 
 - prefill speed: over the recent requests sent while the router had nothing else in flight on
@@ -70,7 +70,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
-from router.fleet import fit_line
+from router.routing.speeds import fit_line
 
 
 @dataclass

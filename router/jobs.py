@@ -14,7 +14,7 @@ from router.config import RouterConfig
 from router.errors import bad_request, model_not_found
 from router.generation import Job
 from router.openai_types import ChatRequest, CompletionRequest, SamplingFields
-from router.registry import WorkerRegistry
+from router.routing.registry import WorkerRegistry
 from router.tokenizer import Tokenizer
 from worker.protocol import SamplingParams
 

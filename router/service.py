@@ -15,11 +15,11 @@ from typing import TypeVar
 from router.admin import WorkerAdmin, WorkerControl
 from router.backends import Backend
 from router.config import RouterConfig, cost_config
-from router.core import CoreConfig, RoutingCore
 from router.dispatch import Dispatcher
 from router.jobs import JobBuilder
 from router.metrics import RouterMetrics
-from router.policies import PolicyConfig
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.policies import PolicyConfig
 from router.tokenizer import Tokenizer
 from router.workers import WorkerSync
 

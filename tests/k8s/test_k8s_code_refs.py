@@ -122,7 +122,7 @@ def test_knobs_fit_the_worker_pods(rendered: dict, kube: Any) -> None:
 
 
 def test_policies_exist(rendered: dict, kube: Any) -> None:
-    policies = kube.import_or_skip("router.policies", "helper C1")
+    policies = kube.import_or_skip("router.routing.policies", "helper C1")
     names = set(policies.POLICY_NAMES)
     for _, service in _services(rendered, kube):
         assert _app(kube, service)["args"]["policy"] in names

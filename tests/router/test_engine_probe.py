@@ -193,8 +193,8 @@ def test_an_idle_engine_is_probed_before_it_takes_requests():
 
     async def test(server: FakeServer):
         from router.config import RouterConfig
-        from router.core import RoutingCore
         from router.metrics import RouterMetrics
+        from router.routing.core import RoutingCore
 
         core = RoutingCore()
         sync = WorkerSync(RouterConfig(model="m"), core, RouterMetrics())

@@ -23,7 +23,7 @@ from router.backends import BackendDead  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.dispatch import Dispatch  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.registry import WorkerState  # noqa: E402
+from router.routing.registry import WorkerState  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import EngineShape, GenerateRequest, TokenChunk  # noqa: E402
 

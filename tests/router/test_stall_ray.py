@@ -21,7 +21,7 @@ from app_testkit import LiveServer, tiny_dir  # noqa: E402
 from router.app import create_app  # noqa: E402
 from router.backends import RayBackend  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.registry import DEAD  # noqa: E402
+from router.routing.registry import DEAD  # noqa: E402
 from router.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.ray

@@ -63,7 +63,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from router.views import RouteRequest, WorkerView
+from router.routing.candidates import RouteRequest, WorkerView
 
 
 @dataclass
