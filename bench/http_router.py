@@ -11,7 +11,7 @@ import argparse
 import uvicorn
 
 from router.app import create_app
-from router.backends import HttpBackend
+from router.backends.http import HttpBackend
 from router.config import RouterConfig
 from router.tokenizer import Tokenizer
 from worker.models.builtin import resolve_model

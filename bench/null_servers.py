@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from router.backends import Backend
+from router.backends.base import Backend
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 

@@ -35,7 +35,8 @@ from cluster.config import ClusterConfig
 from cluster.fleet import Member
 from cluster.route import EngineEventsCollector, spec_backend, worker_spec
 from router.app import create_app
-from router.backends import Backend, RayBackend
+from router.backends.base import Backend
+from router.backends.ray import RayBackend
 from router.config import RouterConfig
 from router.errors import APIError
 

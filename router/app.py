@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.admin import WorkerControl
 from router.admission import Admission
-from router.backends import Backend
+from router.backends.base import Backend
 from router.config import RouterConfig
 from router.errors import APIError, bad_request, body_too_large, invalid_api_key
 from router.generation import ChoiceRun, Job, account, merged, open_choices

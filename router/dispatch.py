@@ -24,12 +24,12 @@ import dataclasses
 from collections.abc import AsyncIterator
 
 from mem_cache.events import block_hashes
-from router.backends import Backend, BackendDead, BackendRequestError
+from router.backends.base import Backend, BackendDead, BackendRequestError
+from router.backends.sync import WorkerSync
 from router.errors import APIError, no_workers
 from router.metrics import RouterMetrics
 from router.routing.core import RoutingCore
 from router.routing.registry import WorkerRegistry, WorkerState
-from router.workers import WorkerSync
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 

@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from router.admin import WorkerAdmin, WorkerControl
-from router.backends import Backend
+from router.backends.base import Backend
+from router.backends.sync import WorkerSync
 from router.config import RouterConfig, cost_config
 from router.dispatch import Dispatcher
 from router.jobs import JobBuilder
@@ -21,7 +22,6 @@ from router.metrics import RouterMetrics
 from router.routing.core import CoreConfig, RoutingCore
 from router.routing.policies import PolicyConfig
 from router.tokenizer import Tokenizer
-from router.workers import WorkerSync
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.backends import Backend, BackendDead
+from router.backends.base import Backend, BackendDead
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 BLOCK = 16

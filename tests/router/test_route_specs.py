@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cluster.route import ExternalWorkers, WorkerSpec, parse_worker
-from router.engine_metrics import parse_engine_metrics
+from router.backends.external.metrics import parse_engine_metrics
 from router.errors import APIError
 
 

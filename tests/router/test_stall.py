@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.app import create_app  # noqa: E402
-from router.backends import BackendDead  # noqa: E402
+from router.backends.base import BackendDead  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.dispatch import Dispatch  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from router.backends import Backend, BackendDead
+from router.backends.base import Backend, BackendDead
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.routing.core import RoutingCore
