@@ -52,7 +52,7 @@ class NullBackend(Backend):
 def serve_router(port: int, chunks: int) -> None:
     import uvicorn
 
-    from router.app import create_app
+    from router.api.app import create_app
     from router.config import RouterConfig
     from worker.models.builtin import builtin_model_path
 

@@ -11,7 +11,7 @@ from router.routing.estimate import EstimateConfig
 
 @dataclass
 class RouterConfig:
-    """Configuration of the router app (`router.app.create_app`).
+    """Configuration of the router app (`router.api.app.create_app`).
 
     model: the model id clients name in `model` and `/v1/models` lists.
     tokenizer: HF model directory whose tokenizer and chat template the router uses;

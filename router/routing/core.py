@@ -1,6 +1,6 @@
 """RoutingCore: the prefix index, the estimate, a policy, the session pins and the booked load.
 
-The live router (`router/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
+The live router (`router/api/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
 they route identically. The clock is injected: the simulator passes its simulated time. The
 workers are the registry's (`registry`); the core follows its membership as a listener
 and reads each worker's record (state, shape, stats, event cursor) when it routes.
