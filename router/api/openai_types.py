@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 from router.api.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class _Body(BaseModel):
