@@ -36,13 +36,11 @@ then get every request). The engine's speed is the line clamped between that flo
 `max_over_envelope` times it, and the floor alone while there is no line.
 
 Until the timings give a figure, a probe run when the router took the engine on stands in
-(`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without
-one, the fleet's median or a fixed prior (8,000 tokens/s) stands in, and a prior is far off
-on some engines: on two vLLM-CPU engines at ~300 tokens/s it priced the first 8-31 requests
-of each live run, a cold 870-token prompt at 0.11-0.14 s against a real 2.7 s, so copying a
-prefix to the engine without it looked nearly free. The probe's figures are the
-engine's, not its timings': they do not age out, and they survive its restart (same address,
-same hardware).
+(`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without one,
+the fleet's median or a fixed prior stands in, and a prior is far off on some engines: it
+prices a cold prompt far below its real prefill, so copying a prefix to the engine looks nearly
+free (docs/benchmarks.md). The probe's figures are the engine's, not its timings': they do not
+age out, and they survive its restart (same address, same hardware).
 
 Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
 since would otherwise keep that figure forever, and `cost` would keep routing around it; with
