@@ -48,7 +48,7 @@ def serve_replica(port: int, threads: int, out: str, cpus: list[int] | None) -> 
     import uvicorn
     import uvloop
 
-    from router.app import create_app
+    from router.api.app import create_app
     from router.config import RouterConfig
     from worker.loader.builtin import builtin_model_path
 

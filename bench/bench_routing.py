@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.core import CoreConfig, RoutingCore
-from router.prefix_index import IndexConfig
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.prefix_index import IndexConfig
 
 BLOCK = 16
 CHAIN = 512

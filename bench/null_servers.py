@@ -8,7 +8,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from router.backends import Backend
+from router.backends.base import Backend
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 
@@ -52,7 +52,7 @@ class NullBackend(Backend):
 def serve_router(port: int, chunks: int) -> None:
     import uvicorn
 
-    from router.app import create_app
+    from router.api.app import create_app
     from router.config import RouterConfig
     from worker.loader.builtin import builtin_model_path
 

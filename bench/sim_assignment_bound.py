@@ -30,8 +30,8 @@ from cluster.sim.report import summarize
 from cluster.sim.simulator import SimConfig, SimResult, Simulator
 from cluster.sim.time_model import TimeProfile
 from cluster.sim.workloads import SharedPrefixConfig, Workload, generated_shared_prefix
-from router.policies import Policy
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.policies import Policy
 
 PROFILE = Path(__file__).parent / "profiles" / "vllm_cpu_smollm2.json"
 

@@ -22,7 +22,7 @@ from cluster.sim.simulator import SimConfig, simulate
 from cluster.sim.time_model import h100_llama3_8b
 from cluster.sim.trace import TRACE_BLOCK_TOKENS, read_trace
 from cluster.sim.workloads import Workload, trace_workload
-from router.policies import POLICY_NAMES
+from router.routing.policies import POLICY_NAMES
 
 
 def distinct_blocks(path: str) -> int:

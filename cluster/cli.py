@@ -24,7 +24,7 @@ from cluster.config import (
     ClusterConfig,
     json_object,
 )
-from router.policies import POLICY_NAMES
+from router.routing.policies import POLICY_NAMES
 
 # mem_cache.radix_host.WRITE_POLICIES, named here so that `--help` needs no torch import
 HOST_POLICIES = ("write_through", "write_through_selective", "write_back")

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from router.backends import PROBE_TOKENS
+from router.backends.external.probe import PROBE_TOKENS
 from router.config import RouterConfig, cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"

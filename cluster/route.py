@@ -32,13 +32,15 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily
 
 from cluster.config import API_KEY_ENV, json_object
-from router.backends import PROBE_TOKENS, Backend, HttpBackend
+from router.api.errors import bad_request
+from router.backends.base import Backend
+from router.backends.external.events import EngineEventsConfig, EngineEventStream
+from router.backends.external.metrics import parse_engine_metrics
+from router.backends.external.probe import PROBE_TOKENS
+from router.backends.http import HttpBackend
 from router.config import RouterConfig
-from router.engine_events import EngineEventsConfig, EngineEventStream
-from router.engine_metrics import parse_engine_metrics
-from router.errors import bad_request
-from router.policies import POLICY_NAMES
-from router.registry import WorkerRegistry
+from router.routing.policies import POLICY_NAMES
+from router.routing.registry import WorkerRegistry
 
 _ZMQ_SCHEMES = ("tcp", "ipc")
 
@@ -227,7 +229,7 @@ def build_app(args: argparse.Namespace) -> object:
     """The router app over the engines of `args` (see `add_route_args`)."""
     import os
 
-    from router.app import create_app
+    from router.api.app import create_app
     from worker.loader.builtin import resolve_model
 
     specs = [parse_worker(text) for text in args.worker]

@@ -1,6 +1,6 @@
 """`RouterActor`: one router replica of `radixray serve`, a Ray actor (so Ray restarts it).
 
-Each replica serves the whole router app (uvicorn over `router.app.create_app`) on the cluster's
+Each replica serves the whole router app (uvicorn over `router.api.app.create_app`) on the cluster's
 address, joins the fleet's workers (each with its snapshot) and follows the fleet's changes
 (`cluster/router_link.py`). Several replicas on one host answer on the same port: each binds
 its own listening socket with `SO_REUSEPORT`, and the kernel spreads new connections over the

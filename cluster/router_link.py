@@ -34,10 +34,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from cluster.config import ClusterConfig
 from cluster.fleet import Member
 from cluster.route import EngineEventsCollector, spec_backend, worker_spec
-from router.app import create_app
-from router.backends import Backend, RayBackend
+from router.api.app import create_app
+from router.api.errors import APIError
+from router.backends.base import Backend
+from router.backends.ray import RayBackend
 from router.config import RouterConfig
-from router.errors import APIError
 
 log = logging.getLogger("radixray.cluster")
 
@@ -110,7 +111,7 @@ class FleetLink:
 
 
 class FleetControl:
-    """`router.admin.WorkerControl` over the fleet (runs on the router's loop)."""
+    """`router.api.admin.WorkerControl` over the fleet (runs on the router's loop)."""
 
     def __init__(self, link: FleetLink) -> None:
         self.link = link

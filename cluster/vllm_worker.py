@@ -13,9 +13,10 @@ prefix caching and KV events on:
 "replay"}` that `radixray route` takes for an engine it did not start, at the node's IP, so a
 router on any node reaches them. The routers make an `HttpBackend` that follows its events
 (`cluster/route.py`, `spec_backend`). Before its first answer the worker probes its engine's
-prefill speed and decode step (`router.engine_probe`, as `radixray route` does at join) and
-answers them too (`speeds`): one probe per engine, while it is idle, where each router replica
-probing it at join would time its prompts among the other replicas' (and then discard them).
+prefill speed and decode step (`router.backends.external.probe`, as `radixray route` does at
+join) and answers them too (`speeds`): one probe per engine, while it is idle, where each
+router replica probing it at join would time its prompts among the other replicas' (and then
+discard them).
 
 Lifetimes. vLLM's server starts processes of its own (the engine core and its workers) that
 outlive it when it is killed, so it runs under a reaper: a few lines of Python in a process
@@ -52,7 +53,8 @@ from pathlib import Path
 import ray
 import torch
 
-from router.backends import PROBE_TOKENS, HttpBackend
+from router.backends.external.probe import PROBE_TOKENS
+from router.backends.http import HttpBackend
 from worker.loader.builtin import resolve_model
 from worker.loader.weights import cpu_compute_dtype
 

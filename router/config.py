@@ -5,18 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from router.cost_terms import TERMS, CostTerms
-from router.estimate import EstimateConfig
+from router.routing.cost_terms import TERMS, CostTerms
+from router.routing.estimate import EstimateConfig
 
 
 @dataclass
 class RouterConfig:
-    """Configuration of the router app (`router.app.create_app`).
+    """Configuration of the router app (`router.api.app.create_app`).
 
     model: the model id clients name in `model` and `/v1/models` lists.
     tokenizer: HF model directory whose tokenizer and chat template the router uses;
         None: `model` itself is taken as a directory.
-    policy: routing policy name (`router.policies.POLICY_NAMES`); `cost` is the default.
+    policy: routing policy name (`router.routing.policies.POLICY_NAMES`); `cost` is the default.
     api_key: when set, every `/v1/*` request needs `Authorization: Bearer <api_key>`.
     max_body_bytes: larger request bodies get 413.
     max_context: context length in tokens (prompt + max_tokens); None: the smallest

@@ -1,17 +1,21 @@
-"""One generation from route to last token, with failover.
+"""One choice of one request, from route to last token: failover, stop strings, text.
 
-`Dispatcher.open` routes the request, sends it and waits for its first chunk, so that a worker
-failing before the first token costs the client nothing but time: the request is routed again
-to the next best worker, the failed one excluded. After tokens have been streamed, a failure
-sends the request to another worker with `resume_ids` = the tokens streamed so far; that worker
-prefills prompt + those tokens and continues, so the client's stream goes on. At most
-`max_failovers` moves per request. A worker found dead is purged from routing at once.
+A request asks for one or more choices (prompts x n); each is one `Choice`. `Dispatcher.open`
+routes a choice, sends it and waits for its first chunk, so that a worker failing before the
+first token costs the client nothing but time: the choice is routed again to the next best
+worker, the failed one excluded. After tokens have been streamed, a failure sends it to another
+worker with `resume_ids` = the tokens streamed so far; that worker prefills prompt + those
+tokens and continues, so the client's stream goes on. At most `max_failovers` moves per choice.
+A worker found dead is purged from routing at once.
 
-A worker that sends a request nothing for `stall_timeout_s` (before its first token or
-between two) while its polled stats do not change either counts as dead the same way: a
-stopped process or a stuck kernel does not hold its requests forever. It is marked dead
-(purged from routing) and, like any dead worker, probed until it answers again, then re-added
-with a fresh snapshot of its cache.
+A worker that sends a choice nothing for `stall_timeout_s` (before its first token or between
+two) while its polled stats do not change either counts as dead the same way: a stopped
+process or a stuck kernel does not hold its requests forever. It is marked dead (purged from
+routing) and, like any dead worker, probed until it answers again, then re-added with a fresh
+snapshot of its cache.
+
+`Choice.deltas` turns the chunks into `ChoiceDelta`s of text (incremental detokenization);
+stop strings end a choice in the router, and the worker is told to abort.
 
 Load booked by `core.route` is released by exactly one `core.finish` per routed attempt, and
 each attempt is counted on its worker's record by one `begin` and one `end`.
@@ -21,26 +25,46 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mem_cache.events import block_hashes
-from router.backends import Backend, BackendDead, BackendRequestError
-from router.core import RoutingCore
-from router.errors import APIError, no_workers
+from router.api.errors import APIError, no_workers
+from router.api.tokenizer import TextStream, Tokenizer
+from router.backends.base import Backend, BackendDead, BackendRequestError
+from router.backends.sync import WorkerSync
 from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry, WorkerState
-from router.workers import WorkerSync
+from router.routing.core import RoutingCore
+from router.routing.registry import WorkerRegistry, WorkerState
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
+
+if TYPE_CHECKING:
+    from router.api.requests import Job
+
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, logprob, top alternatives
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
 
 
 class Dispatcher:
-    """Sends requests to workers chosen by the routing core."""
+    """What every choice uses: the routing core, the workers' link, the metrics, the
+    tokenizer and the failover limits."""
 
     def __init__(
         self,
         core: RoutingCore,
         workers: WorkerSync,
         metrics: RouterMetrics,
+        tokenizer: Tokenizer,
         max_failovers: int = 2,
         namespace: str | None = None,
         stall_timeout_s: float | None = None,
@@ -49,6 +73,7 @@ class Dispatcher:
         self.registry: WorkerRegistry = core.registry
         self.workers = workers
         self.metrics = metrics
+        self.tokenizer = tokenizer
         self.max_failovers = max_failovers
         self.namespace = namespace
         # None: the router's configured deadline (the workers' link carries the config)
@@ -56,37 +81,43 @@ class Dispatcher:
             stall_timeout_s = workers.config.stall_timeout_s
         self.stall_timeout_s = stall_timeout_s
 
-    async def open(self, request: GenerateRequest, expected_output: int) -> Dispatch:
-        """Routes and starts `request`; returns once its first chunk is in.
+    async def open(self, index: int, request: GenerateRequest, job: Job) -> Choice:
+        """Routes and starts choice `index` of `job`; returns once its first chunk is in.
 
         Raises APIError: 503 when no worker can take it, 400 when the worker rejects it.
         """
-        run = Dispatch(self, request, expected_output)
+        choice = Choice(self, index, request, job)
         try:
-            await run.start()
+            await choice.start()
         except BaseException:
-            run._disarm()
+            choice._disarm()
             raise
-        return run
+        return choice
 
 
-class Dispatch:
-    """One request in flight. Iterate it for chunks; `close()` it in every case."""
+class Choice:
+    """One choice in flight. Iterate `deltas()` for its text; `close()` it in every case."""
 
-    def __init__(self, dispatcher: Dispatcher, request: GenerateRequest, expected: int) -> None:
+    def __init__(self, dispatcher: Dispatcher, index: int, request: GenerateRequest,
+                 job: Job) -> None:
         self.core = dispatcher.core
         self.registry = dispatcher.registry
         self.dispatcher = dispatcher
+        self.index = index
         self.request = request
-        self.expected = expected
-        self.tokens: list[int] = []  # output ids passed on so far (the resume point)
+        self.job = job
+        self.expected = job.sampling.max_tokens
+        self.token_ids: list[int] = []  # output ids passed on so far (the resume point)
+        self.finish_reason: str | None = None
+        self.deltas_seen: list[ChoiceDelta] = []  # kept only when logprobs are asked for
+        self._text: TextStream | None = None  # the text side, from the first `deltas()`
         self.failed: set[str] = set()
         self.failovers = 0
         self.worker_id = ""  # the worker serving now
         self.first_worker = ""  # the worker that produced the first token (response header)
         self.cached_tokens = 0
         self.predicted_tokens = 0
-        self.finished = False
+        self.finished = False  # the worker's part is over (finished, or aborted by `close`)
         self._backend: Backend | None = None
         self._worker: WorkerState | None = None  # the record `begin` counted this attempt on
         self._stream: AsyncIterator[TokenChunk] | None = None
@@ -101,6 +132,8 @@ class Dispatch:
         self._seen: WorkerStats | None = None
         self._stalled = False  # `_check` cancelled the wait
 
+    # --- route and start ----------------------------------------------------------------------
+
     async def start(self) -> None:
         self._first = await self._attempt()
         self.first_worker = self.worker_id
@@ -108,7 +141,7 @@ class Dispatch:
 
     def _route(self) -> Backend:
         hashes = block_hashes(
-            self.request.input_ids + self.tokens,
+            self.request.input_ids + self.token_ids,
             self.dispatcher.namespace,
             self.registry.block_size,
         )
@@ -116,8 +149,8 @@ class Dispatch:
             decision = self.core.route(
                 self.request.request_id,
                 hashes,
-                len(self.request.input_ids) + len(self.tokens),
-                max(self.expected - len(self.tokens), 1),
+                len(self.request.input_ids) + len(self.token_ids),
+                max(self.expected - len(self.token_ids), 1),
                 session_id=self.request.session_id,
                 exclude=tuple(self.failed),
             )
@@ -142,7 +175,7 @@ class Dispatch:
                 raise no_workers()
             try:
                 self._backend = self._route()
-                request = dataclasses.replace(self.request, resume_ids=list(self.tokens))
+                request = dataclasses.replace(self.request, resume_ids=list(self.token_ids))
                 self._stream = self._backend.generate(request).__aiter__()
                 chunk = await self._receive()
                 if chunk.error and not chunk.token_ids:
@@ -239,23 +272,56 @@ class Dispatch:
                 self.registry.end(self._worker)
                 self._worker = None
 
-    async def __aiter__(self) -> AsyncIterator[TokenChunk]:
-        chunk = self._first
-        self._first = None
-        while chunk is not None:
-            if self.worker_id == self.first_worker and not self._resumed:
-                # some servers (HTTP) report the prefix hit only with the last chunk
-                cached = min(chunk.cached_tokens, len(self.request.input_ids))
-                self.cached_tokens = max(self.cached_tokens, cached)
-            self.tokens.extend(chunk.token_ids)
-            if chunk.finish_reason is None and len(self.tokens) >= self.request.sampling.max_tokens:
-                chunk.finish_reason = "length"  # a resumed worker may not know the budget spent
-            if chunk.finish_reason is not None:
-                self._finish()
-            yield chunk
-            if self.finished:
-                return
-            chunk = await self._next()
+    # --- stream --------------------------------------------------------------------------------
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """The choice's text as it comes, across failovers; closes the choice when done."""
+        metrics = self.dispatcher.metrics
+        job = self.job
+        self._text = TextStream(self.dispatcher.tokenizer, job.stop, job.skip_special_tokens)
+        last = time.perf_counter()
+        chunk, self._first = self._first, None
+        try:
+            while chunk is not None:
+                t = time.perf_counter()
+                if not self.token_ids:
+                    metrics.ttft.observe(t - job.arrival)
+                elif chunk.token_ids:
+                    metrics.inter_token.observe((t - last) / len(chunk.token_ids))
+                last = t
+                delta = self._apply(chunk)
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield delta
+                if self.finish_reason:
+                    return
+                chunk = await self._next()
+        finally:
+            await self.close()
+
+    def _apply(self, chunk: TokenChunk) -> ChoiceDelta:
+        """Takes one chunk: its tokens join the resume point, its text the stream."""
+        if self.worker_id == self.first_worker and not self._resumed:
+            # some servers (HTTP) report the prefix hit only with the last chunk
+            cached = min(chunk.cached_tokens, len(self.request.input_ids))
+            self.cached_tokens = max(self.cached_tokens, cached)
+        ids = list(chunk.token_ids)
+        self.token_ids.extend(ids)
+        if chunk.finish_reason is None and len(self.token_ids) >= self.request.sampling.max_tokens:
+            chunk.finish_reason = "length"  # a resumed worker may not know the budget spent
+        if chunk.finish_reason is not None:
+            self._finish()
+        assert self._text is not None, "deltas() reads the text"
+        text = self._text.push(ids)
+        finish = chunk.finish_reason
+        if self._text.stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += self._text.finish()
+        self.finish_reason = finish
+        delta = ChoiceDelta(self.index, text, ids, _logprobs(chunk), finish)
+        if delta.logprobs:
+            self.deltas_seen.append(delta)
+        return delta
 
     async def _next(self) -> TokenChunk:
         try:
@@ -296,3 +362,79 @@ async def _quiet_abort(backend: Backend, request_id: str) -> None:
         await backend.abort(request_id)
     except Exception:  # noqa: BLE001 - the worker may be gone; nothing is left to abort then
         pass
+
+
+def _logprobs(chunk) -> list[TokenLogprob]:
+    if chunk.logprobs is None:
+        return []
+    tops = chunk.top_logprobs or [[] for _ in chunk.logprobs]
+    return [
+        (t, lp, list(top))
+        for t, lp, top in zip(chunk.token_ids, chunk.logprobs, tops, strict=False)
+    ]
+
+
+async def open_choices(job: Job, dispatcher: Dispatcher) -> list[Choice]:
+    """Starts every choice; on any failure closes the ones started and re-raises."""
+    requests = job.generate_requests()
+    if len(requests) == 1:  # the common case, without a task per choice
+        return [await dispatcher.open(0, requests[0], job)]
+    results = await asyncio.gather(
+        *(dispatcher.open(i, r, job) for i, r in enumerate(requests)), return_exceptions=True
+    )
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for r in results:
+            if isinstance(r, Choice):
+                await r.close()
+        raise errors[0]
+    return list(results)
+
+
+async def merged(runs: list[Choice]) -> AsyncIterator[ChoiceDelta]:
+    """Deltas of all choices as they come; one choice needs no queue."""
+    if len(runs) == 1:
+        async for delta in runs[0].deltas():
+            yield delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Choice) -> None:
+        try:
+            async for delta in run.deltas():
+                await queue.put(delta)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        for _ in range(len(runs)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def account(job: Job, runs: list[Choice], metrics: RouterMetrics) -> dict:
+    """The usage object of a finished job, and its metrics."""
+    prompt = sum(len(p) for p in job.prompts)
+    completion = sum(len(r.token_ids) for r in runs)
+    cached = sum(runs[p * job.n].cached_tokens for p in range(len(job.prompts)))
+    predicted = sum(runs[p * job.n].predicted_tokens for p in range(len(job.prompts)))
+    metrics.prompt_tokens.inc(prompt)
+    metrics.generation_tokens.inc(completion)
+    metrics.cached_actual.inc(cached)
+    metrics.cached_predicted.inc(predicted)
+    metrics.e2e.observe(time.perf_counter() - job.arrival)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

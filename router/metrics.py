@@ -14,7 +14,7 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class RouterMetrics:
-    """All the router's series; names are a contract (BRIEF.md)."""
+    """All the router's series; names are a contract that dashboards and tests rely on."""
 
     content_type = CONTENT_TYPE_LATEST
 

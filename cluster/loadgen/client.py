@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from cluster.loadgen.prompts import BenchRequest
-from router.sse import sse_json
+from router.backends.sse import sse_json
 
 WORKER_HEADER = "X-Radixray-Worker"
 

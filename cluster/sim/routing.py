@@ -12,9 +12,9 @@ from collections.abc import Callable
 from cluster.sim.time_model import TimeProfile, attended_pairs
 from cluster.sim.worker import SimWorker
 from router.config import cost_config
-from router.core import CoreConfig, RoutingCore
-from router.estimate import EstimateConfig
-from router.policies import PolicyConfig
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.estimate import EstimateConfig
+from router.routing.policies import PolicyConfig
 from worker.protocol import EngineShape, WorkerStats
 
 

@@ -59,7 +59,7 @@ def test_flags_map_onto_the_config():
 
 def test_cost_config_flag_reaches_the_routers_policy():
     from cluster.router_link import router_config
-    from router.service import Router
+    from router.router import Router
     from worker.loader.builtin import builtin_model_path
 
     tiny = str(builtin_model_path("tiny"))

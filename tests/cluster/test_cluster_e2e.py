@@ -18,7 +18,7 @@ from cluster.config import ClusterConfig
 from cluster.fleet import create_fleet, stop_fleet
 from cluster.launcher import Launcher
 from cluster.router_link import member_backends, router_config
-from router.app import create_app
+from router.api.app import create_app
 from worker.loader.builtin import resolve_model
 
 pytestmark = pytest.mark.ray

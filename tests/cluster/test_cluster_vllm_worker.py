@@ -23,7 +23,8 @@ from cluster.fleet import Member
 from cluster.router_link import member_backend
 from cluster.vllm_worker import Reaped, VllmConfig, VllmPorts
 from cluster.worker_pool import Worker, engine_config
-from router.backends import PROBE_TOKENS, HttpBackend
+from router.backends.external.probe import PROBE_TOKENS
+from router.backends.http import HttpBackend
 
 REPO = Path(__file__).parents[2]
 

@@ -36,9 +36,17 @@ def test_serve_import_path_builds_an_application(rendered: dict, kube: Any) -> N
     for _, service in _services(rendered, kube):
         app = _app(kube, service)
         module_name, attr = app["import_path"].split(":")
-        module = kube.import_or_skip(module_name, "helper E")
+        module = kube.import_or_skip(module_name)
         application = getattr(module, attr)(app["args"])  # binds lazily: no Ray needed
         assert isinstance(application, serve.Application)
+
+
+def test_a_renamed_module_of_ours_fails_where_a_missing_dependency_skips(kube: Any) -> None:
+    # a manifest naming `cluster.serve_app` after a rename must fail its tests, not skip them
+    with pytest.raises(ModuleNotFoundError):
+        kube.import_or_skip("cluster.serve_app_renamed")
+    with pytest.raises(pytest.skip.Exception):
+        kube.import_or_skip("radixray_no_such_dependency")
 
 
 def test_serve_deployment_overrides_name_real_deployments(rendered: dict, kube: Any) -> None:
@@ -46,14 +54,14 @@ def test_serve_deployment_overrides_name_real_deployments(rendered: dict, kube: 
 
     for _, service in _services(rendered, kube):
         app = _app(kube, service)
-        module = kube.import_or_skip(app["import_path"].split(":")[0], "helper E")
+        module = kube.import_or_skip(app["import_path"].split(":")[0])
         names = {d.name for d in vars(module).values() if isinstance(d, serve.Deployment)}
         for deployment in app.get("deployments", []):
             assert deployment["name"] in names, (deployment["name"], names)
 
 
 def test_serve_args_are_the_serve_flags_in_snake_case(rendered: dict, kube: Any) -> None:
-    config = kube.import_or_skip("cluster.config", "helper E")
+    config = kube.import_or_skip("cluster.config")
     for overlay, service in _services(rendered, kube):
         args = _app(kube, service)["args"]
         assert set(KNOBS) <= set(args), (overlay, sorted(args))
@@ -62,7 +70,7 @@ def test_serve_args_are_the_serve_flags_in_snake_case(rendered: dict, kube: Any)
 
 
 def _parse_head_command(kube: Any, cluster: dict[str, Any]) -> Any:
-    cli = kube.import_or_skip("cluster.cli", "helper E")
+    cli = kube.import_or_skip("cluster.cli")
     argv = kube.head_serve_argv(cluster)
     parser = cli.build_parser()
     try:
@@ -72,8 +80,8 @@ def _parse_head_command(kube: Any, cluster: dict[str, Any]) -> Any:
 
 
 def test_raycluster_head_runs_radixray_serve_with_real_flags(rendered: dict, kube: Any) -> None:
-    cli = kube.import_or_skip("cluster.cli", "helper E")
-    config = kube.import_or_skip("cluster.config", "helper E")
+    cli = kube.import_or_skip("cluster.cli")
+    config = kube.import_or_skip("cluster.config")
     subparsers = next(a for a in cli.build_parser()._actions if a.dest == "command")
     serve_parser = subparsers.choices["serve"]
     serve_help = serve_parser.format_help()
@@ -122,7 +130,7 @@ def test_knobs_fit_the_worker_pods(rendered: dict, kube: Any) -> None:
 
 
 def test_policies_exist(rendered: dict, kube: Any) -> None:
-    policies = kube.import_or_skip("router.policies", "helper C1")
+    policies = kube.import_or_skip("router.routing.policies")
     names = set(policies.POLICY_NAMES)
     for _, service in _services(rendered, kube):
         assert _app(kube, service)["args"]["policy"] in names
@@ -133,7 +141,7 @@ def test_policies_exist(rendered: dict, kube: Any) -> None:
 def test_console_script_the_head_runs_exists(kube: Any) -> None:
     scripts = tomllib.loads((kube.REPO / "pyproject.toml").read_text())["project"]["scripts"]
     module_name, attr = scripts["radixray"].split(":")
-    assert callable(getattr(kube.import_or_skip(module_name, "helper E"), attr))
+    assert callable(getattr(kube.import_or_skip(module_name), attr))
 
 
 def test_head_command_starts_ray_then_execs_the_router(
@@ -172,7 +180,7 @@ def _baked_models(kube: Any, dockerfile: str) -> set[str]:
 
 
 def test_models_are_built_in_and_baked_into_the_image(rendered: dict, kube: Any) -> None:
-    builtin = kube.import_or_skip("worker.loader.builtin", "helper B1")
+    builtin = kube.import_or_skip("worker.loader.builtin")
     models = {o: _knobs_of_service(kube, s)["model"] for o, s in _services(rendered, kube)}
     models |= {o: _parse_head_command(kube, c).model for o, c in _clusters(rendered, kube)}
     for overlay, model in models.items():

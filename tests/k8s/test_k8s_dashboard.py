@@ -88,7 +88,7 @@ def _registered(module: Any) -> dict[str, tuple[str, frozenset[str]]]:
 
 
 def test_router_registers_what_the_dashboard_queries(queries: list, kube: Any) -> None:
-    module = kube.import_or_skip("router.metrics", "helper C2")
+    module = kube.import_or_skip("router.metrics")
     registered = _registered(module)
     assert registered, "router.metrics registers no Prometheus metric"
     exposed = series(registered)

@@ -18,7 +18,7 @@ from typing import Any
 import uvicorn
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.backends import Backend, BackendDead
+from router.backends.base import Backend, BackendDead
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 BLOCK = 16
@@ -206,7 +206,7 @@ def free_port() -> int:
 def openai_server(worker: FakeWorker, tokenizer: Any) -> LiveServer:
     """A radixray app over one FakeWorker, to be served live (enter it): an OpenAI-compatible
     server with the vLLM-style `return_token_ids` that `HttpBackend` fronts."""
-    from router.app import create_app
+    from router.api.app import create_app
     from router.config import RouterConfig
 
     config = RouterConfig(model="tiny", event_poll_s=0.01)

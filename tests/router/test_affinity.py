@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.affinity import AffinityRates
-from router.core import RoutingCore
+from router.routing.affinity import AffinityRates
+from router.routing.core import RoutingCore
 
 WORKERS = ("a", "b", "c")
 

@@ -6,6 +6,7 @@ for a worker, with a deterministic fake model, a block cache and KV events).
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from pathlib import Path
@@ -17,9 +18,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
-from router.app import create_app  # noqa: E402
+from router.api.app import create_app  # noqa: E402
+from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +225,22 @@ def test_api_key_required_when_configured(tokenizer):
         good = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)
         assert good.completions.create(model="tiny", prompt="x", max_tokens=1).choices
         assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/workers"])
+def test_a_host_without_lifespan_starts_the_router_with_its_first_request(tokenizer, path):
+    """Some hosts (Ray Serve set-ups) run no ASGI lifespan: the workers join on the first
+    request, whichever endpoint it is for."""
+
+    async def main() -> tuple[int, list[str]]:
+        app = create_app(RouterConfig(model="tiny"), [FakeWorker("w0")], tokenizer=tokenizer)
+        transport = httpx.ASGITransport(app=app)  # no lifespan events
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+                reply = await http.get(path)
+            return reply.status_code, [w.worker_id for w in app.state.router.registry]
+        finally:
+            await app.state.router.stop()
+
+    status, workers = asyncio.run(main())
+    assert status == 200 and workers == ["w0"]

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker  # noqa: E402
 
 from mem_cache.events import SessionHeld, block_hashes  # noqa: E402
+from router.backends.sync import WorkerSync  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.core import RoutingCore  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.workers import WorkerSync  # noqa: E402
+from router.routing.core import RoutingCore  # noqa: E402
 
 PROMPT = list(range(100, 164))  # 4 blocks
 

@@ -14,9 +14,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
-from router.app import create_app  # noqa: E402
+from router.api.app import create_app  # noqa: E402
+from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
 
 LONG = " ".join(f"word{i % 997} and {i % 13}" for i in range(6000))  # ~90 KB
 

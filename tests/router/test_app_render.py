@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from router.generation import ChoiceDelta, Job
-from router.render import Renderer
+from router.api.render import Renderer
+from router.api.requests import Job
+from router.dispatch import ChoiceDelta
 from worker.protocol import SamplingParams
 
 DELTAS = [

@@ -17,10 +17,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import LiveServer, tiny_dir  # noqa: E402
 
 from mem_cache.events import decode_batch  # noqa: E402
-from router.app import create_app  # noqa: E402
-from router.backends import BackendDead, BackendRequestError, RayBackend  # noqa: E402
+from router.api.app import create_app  # noqa: E402
+from router.api.tokenizer import Tokenizer  # noqa: E402
+from router.backends.base import BackendDead, BackendRequestError  # noqa: E402
+from router.backends.ray import RayBackend  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray

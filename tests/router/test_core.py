@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.core import CoreConfig, NoWorkerError, RoutingCore
-from router.prefix_index import IndexConfig
+from router.routing.core import CoreConfig, NoWorkerError, RoutingCore
+from router.routing.prefix_index import IndexConfig
 from worker.protocol import WorkerStats
 
 

@@ -5,7 +5,7 @@ workers it does not route to are ignored."""
 from __future__ import annotations
 
 from mem_cache.events import AllCleared, BlockRemoved, BlockStored, block_hashes, encode_batch
-from router.core import RoutingCore
+from router.routing.core import RoutingCore
 
 PROMPT = block_hashes(list(range(160)))  # 10 blocks
 OTHER = block_hashes(list(range(1, 161)))  # shares no block with PROMPT

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 
 from mem_cache.events import block_hashes
-from router.core import CoreConfig, RoutingCore
-from router.estimate import EstimateConfig
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.estimate import EstimateConfig
 from worker.protocol import WorkerStats
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.cost_terms import ComputeTerm, CostTerms
-from router.estimate import Estimator
-from router.load import Booking, LoadLedger
-from router.policies import Policy, PolicyConfig, make_policy
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.bookings import Booking, LoadLedger
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.cost_terms import ComputeTerm, CostTerms
+from router.routing.estimate import Estimator
+from router.routing.policies import Policy, PolicyConfig, make_policy
 from worker.protocol import WorkerStats
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from mem_cache.events import block_hashes
-from router.core import RoutingCore
+from router.routing.core import RoutingCore
 from worker.protocol import WorkerStats
 
 

@@ -1,8 +1,8 @@
-"""The terms `cost` weighs besides a request's own TTFT (`router.cost_terms`): its TTFT past the
-tail threshold (not in a backlog), the guard, the compute weight growing with the share of busy
-workers, and the delay a long prefill imposes on the requests that want the worker (affinity
-and demand). Each test runs a plain compute term (weight 16, nothing else) plus the term it is
-about, with that term's own knobs only."""
+"""The terms `cost` weighs besides a request's own TTFT (`router.routing.cost_terms`): its
+TTFT past the tail threshold (not in a backlog), the guard, the compute weight growing with the
+share of busy workers, and the delay a long prefill imposes on the requests that want the
+worker (affinity and demand). Each test runs a plain compute term (weight 16, nothing else)
+plus the term it is about, with that term's own knobs only."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.cost_terms import (
+from router.routing.candidates import RouteRequest, WorkerView
+from router.routing.cost_terms import (
     AffinityTerm,
     ComputeTerm,
     CostTerms,
@@ -19,9 +20,8 @@ from router.cost_terms import (
     GuardTerm,
     TailTerm,
 )
-from router.cost_terms import scores as cost_scores
-from router.estimate import EstimateConfig, Estimator
-from router.views import RouteRequest, WorkerView
+from router.routing.cost_terms import scores as cost_scores
+from router.routing.estimate import EstimateConfig, Estimator
 from worker.protocol import WorkerStats
 
 SPEED = 1000.0  # tokens/s: a prompt of N uncached tokens takes N / 1000 s

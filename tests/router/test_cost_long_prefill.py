@@ -8,9 +8,9 @@ the remaining prefill, worker `idle` holds nothing and waits for nothing.
 
 from __future__ import annotations
 
-from router.cost_terms import ComputeTerm, CostTerms, scores
-from router.estimate import EstimateConfig, Estimator
-from router.views import RouteRequest, WorkerView
+from router.routing.candidates import RouteRequest, WorkerView
+from router.routing.cost_terms import ComputeTerm, CostTerms, scores
+from router.routing.estimate import EstimateConfig, Estimator
 
 SPEED = 1000.0  # tokens/s, so a prompt of N tokens takes N / 1000 s
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from mem_cache.events import block_hashes
-from router.core import RoutingCore
+from router.routing.core import RoutingCore
 from worker.protocol import WorkerStats
 
 

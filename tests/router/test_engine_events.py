@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, decode_batch
-from router.engine_events import EngineEventsConfig, EngineEventStream
+from router.backends.external.events import EngineEventsConfig, EngineEventStream
 
 BS = 4
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mem_cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored, block_hashes
-from router.engine_mirror import (
+from router.backends.external.mirror import (
     BadEvent,
     EngineCleared,
     EngineMirror,

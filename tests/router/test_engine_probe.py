@@ -1,4 +1,4 @@
-"""The probe of an external engine's speeds at join (`router.engine_probe`,
+"""The probe of an external engine's speeds at join (`router.backends.external.probe`,
 `HttpBackend.calibrate`), and `EngineSpeed` reporting its figures until timings replace them.
 
 The HTTP tests run against a small aiohttp server that answers completions at a known prefill
@@ -15,10 +15,10 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.backends import HttpBackend
-from router.engine_probe import ProbeTiming, probe_engine, probe_text
-from router.engine_speed import EngineSpeed
-from router.workers import WorkerSync
+from router.backends.external.probe import ProbeTiming, probe_engine, probe_text
+from router.backends.external.speed import EngineSpeed
+from router.backends.http import HttpBackend
+from router.backends.sync import WorkerSync
 
 
 class Engine:
@@ -193,8 +193,8 @@ def test_an_idle_engine_is_probed_before_it_takes_requests():
 
     async def test(server: FakeServer):
         from router.config import RouterConfig
-        from router.core import RoutingCore
         from router.metrics import RouterMetrics
+        from router.routing.core import RoutingCore
 
         core = RoutingCore()
         sync = WorkerSync(RouterConfig(model="m"), core, RouterMetrics())

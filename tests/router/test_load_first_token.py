@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.core import RoutingCore
-from router.load import Booking, LoadLedger
-from router.policies import make_policy
+from router.routing.bookings import Booking, LoadLedger
+from router.routing.core import RoutingCore
+from router.routing.policies import make_policy
 
 
 def booking(request_id: str, prefill_s: float = 1.0, worker: str = "w0") -> Booking:

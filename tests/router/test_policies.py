@@ -6,10 +6,10 @@ from collections import Counter
 
 import pytest
 
-from router.cost_terms import ComputeTerm, CostTerms
-from router.estimate import EstimateConfig, Estimator
-from router.policies import POLICY_NAMES, Policy, PolicyConfig, make_policy
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.cost_terms import ComputeTerm, CostTerms
+from router.routing.estimate import EstimateConfig, Estimator
+from router.routing.policies import POLICY_NAMES, Policy, PolicyConfig, make_policy
 from worker.protocol import WorkerStats
 
 

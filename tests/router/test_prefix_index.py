@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mem_cache.events import HOST, AllCleared, BlockRemoved, BlockStored, block_hashes
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.routing.prefix_index import IndexConfig, PrefixIndex
 
 
 class Clock:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mem_cache.events import DEVICE, HOST, AllCleared, BlockRemoved, BlockStored
-from router.prefix_index import IndexConfig, PrefixIndex
+from router.routing.prefix_index import IndexConfig, PrefixIndex
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 TTL = 5.0

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
-from router.core import RoutingCore
-from router.registry import DEAD, DRAINING, READY, WorkerRegistry, WorkerState
-from router.views import RouteRequest
+from router.routing.candidates import RouteRequest
+from router.routing.core import RoutingCore
+from router.routing.registry import DEAD, DRAINING, READY, WorkerRegistry, WorkerState
 from worker.protocol import EngineShape, WorkerStats
 
 HASHES = block_hashes(list(range(160)))

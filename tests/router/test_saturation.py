@@ -1,5 +1,5 @@
-"""The fleet's saturation (`router.load.Saturation`): the decayed share of the recent past in
-which no worker was free, as `RoutingCore` observes it at each decision and hands it to the
+"""The fleet's saturation (`router.routing.bookings.Saturation`): the decayed share of the recent
+past in which no worker was free, as `RoutingCore` observes it at each decision and hands it to the
 policy (`RouteRequest.saturation`)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mem_cache.events import block_hashes
-from router.core import RoutingCore
-from router.load import Saturation
-from router.policies import Policy
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.bookings import Saturation
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.core import RoutingCore
+from router.routing.policies import Policy
 
 
 def test_each_decision_says_how_long_every_worker_stays_busy() -> None:

@@ -11,8 +11,8 @@ from mem_cache.events import (
     block_hashes,
     encode_batch,
 )
-from router.core import RoutingCore
-from router.sessions import SessionConfig, SessionTable
+from router.routing.core import RoutingCore
+from router.routing.sessions import SessionConfig, SessionTable
 
 
 class Clock:

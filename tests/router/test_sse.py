@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from router.sse import sse_json
+from router.backends.sse import sse_json
 
 
 async def _lines(*lines: bytes):

@@ -18,14 +18,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
-from router.app import create_app  # noqa: E402
-from router.backends import BackendDead  # noqa: E402
+from router.api.app import create_app  # noqa: E402
+from router.api.tokenizer import Tokenizer  # noqa: E402
+from router.backends.base import BackendDead  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
-from router.dispatch import Dispatch  # noqa: E402
+from router.dispatch import Choice  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
-from router.registry import WorkerState  # noqa: E402
-from router.tokenizer import Tokenizer  # noqa: E402
-from worker.protocol import EngineShape, GenerateRequest, TokenChunk  # noqa: E402
+from router.routing.registry import WorkerState  # noqa: E402
+from worker.protocol import EngineShape, GenerateRequest, SamplingParams, TokenChunk  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "wait for me", "max_tokens": 8, "ignore_eos": True}
 
@@ -111,8 +111,8 @@ def test_slow_stream_whose_gaps_stay_under_the_deadline_is_not_a_stall(tokenizer
     assert "radixray_stalls_total 0.0" in metrics and "radixray_failovers_total 0.0" in metrics
 
 
-def waiting_dispatch(stall_timeout_s: float) -> Dispatch:
-    """A Dispatch mid-attempt on a worker that never sends (no routing core involved)."""
+def waiting_dispatch(stall_timeout_s: float) -> Choice:
+    """A Choice mid-attempt on a worker that never sends (no routing core involved)."""
 
     async def silent() -> AsyncIterator[TokenChunk]:
         await asyncio.Event().wait()
@@ -120,7 +120,8 @@ def waiting_dispatch(stall_timeout_s: float) -> Dispatch:
 
     owner = SimpleNamespace(metrics=RouterMetrics(), stall_timeout_s=stall_timeout_s, core=None,
                             registry=None)
-    run = Dispatch(owner, GenerateRequest("r", [1, 2, 3]), 4)  # type: ignore[arg-type]
+    job = SimpleNamespace(sampling=SamplingParams(max_tokens=4))
+    run = Choice(owner, 0, GenerateRequest("r", [1, 2, 3]), job)  # type: ignore[arg-type]
     run.worker_id, run._worker = "w0", WorkerState("w0", EngineShape())
     run._stream = silent().__aiter__()
     return run

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mem_cache.events import block_hashes
-from router.core import CoreConfig, RoutingCore
-from router.estimate import EstimateConfig, Estimator
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.estimate import EstimateConfig, Estimator
 from worker.protocol import WorkerStats
 
 BASE_S, PER_TOKEN_S = 0.006, 5e-8  # a step of 6 ms + 50 ms per million context tokens

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import tiny_dir  # noqa: E402
 
-from router.tokenizer import TextStream, Tokenizer  # noqa: E402
+from router.api.tokenizer import TextStream, Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +118,15 @@ def test_fast_path_matches_transformers(tok, text):
 )
 def test_byte_level_stream_equals_decoding_all_ids(tok, ids, skip, step):
     """Any id sequence (special tokens, broken UTF-8 included) streams to the decoded text."""
-    assert tok.byte_table is not None  # the tiny model's tokenizer is byte-level BPE
     stream = TextStream(tok, skip_special_tokens=skip)
+    assert stream.decoder is not None  # the tokenizer's own incremental decoder
     pieces = [stream.push(ids[i : i + step]) for i in range(0, len(ids), step)]
     assert "".join(pieces) + stream.finish() == tok.hf.decode(ids, skip_special_tokens=skip)
 
 
-def test_general_path_when_not_byte_level(tok, monkeypatch):
-    monkeypatch.setattr(tok, "byte_table", None)
+def test_general_path_without_an_incremental_decoder(tok, monkeypatch):
+    monkeypatch.setattr(tok, "fast", None)  # no Rust backend: all ids are decoded at each push
     text = "héllo 世界 🎉 stop here"
     pieces, s = stream_all(tok, tok.encode(text), stop=["here"])
-    assert s.utf8 is None and s.stopped and "".join(pieces) == "héllo 世界 🎉 stop "
+    assert s.decoder is None and s.stopped and "".join(pieces) == "héllo 世界 🎉 stop "
     assert not any("\ufffd" in p for p in pieces)

@@ -17,7 +17,7 @@ from cluster.sim.workloads import (
     generated_shared_prefix,
     multi_turn_chat,
 )
-from router.policies import POLICY_NAMES
+from router.routing.policies import POLICY_NAMES
 
 PROFILE = h100_llama3_8b()
 

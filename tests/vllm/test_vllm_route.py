@@ -32,7 +32,7 @@ from vllm_server import BLOCK, VllmServer, free_port, vllm_model_dir  # noqa: E4
 from cluster.cli import build_parser  # noqa: E402
 from cluster.route import build_app  # noqa: E402
 from mem_cache.events import block_hashes  # noqa: E402
-from router.engine_events import EngineEventsConfig, EngineEventStream  # noqa: E402
+from router.backends.external.events import EngineEventsConfig, EngineEventStream  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 

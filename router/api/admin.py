@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from router.backends import Backend, BackendDead
-from router.errors import APIError, bad_request, not_implemented
-from router.registry import DEAD, WorkerRegistry
-from router.workers import WorkerSync
+from router.api.errors import APIError, bad_request, not_implemented
+from router.backends.base import Backend, BackendDead
+from router.backends.sync import WorkerSync
+from router.routing.registry import DEAD, WorkerRegistry
 
 _WORKER_KEYS = (
     "kv_total",

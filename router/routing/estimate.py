@@ -14,7 +14,7 @@ both slowed by the decode work that rides along every chunk:
 
 `speed` is `WorkerStats.prefill_tokens_per_s` once the worker has measured it, the fleet's
 median until then. `decode_step_s` is the fleet's fit of the step on decode context, read at the
-context booked on the worker now (`router.fleet`); without a fit (one worker, or all at one
+context booked on the worker now (`speeds`); without a fit (one worker, or all at one
 context), the worker's measured `WorkerStats.decode_step_s`, else the fleet's median or prior.
 `queue_s` is this router's booked queue (fresh) plus the reported waiting prefill of the
 requests it did not book (other routers').
@@ -29,8 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from router.fleet import FleetSpeeds, denoise
-from router.views import Estimate, RouteRequest, WorkerView
+from router.routing.candidates import Estimate, RouteRequest, WorkerView
+from router.routing.speeds import FleetSpeeds, denoise
 from worker.protocol import WorkerStats
 
 
@@ -58,10 +58,10 @@ class EstimateConfig:
     # late (Mooncake matrix: better; False: the measured step and its band, above)
     step_from_context: bool = True
     # time constant of the rates of arrivals and prompt tokens wanting each worker
-    # (`router.affinity`)
+    # (`affinity`)
     affinity_window_s: float = 30.0
     # time constant of the fleet's saturation: the share of recent time no worker was free
-    # (`router.load.Saturation`)
+    # (`bookings.Saturation`)
     saturation_window_s: float = 10.0
 
 
@@ -80,7 +80,7 @@ class Estimator:
     def __init__(self, config: EstimateConfig | None = None) -> None:
         self.config = config or EstimateConfig()
         # the speeds of a worker that has not measured itself yet, and the step's fit on
-        # decode context (`router.fleet`)
+        # decode context (`speeds`)
         cfg = self.config
         self.fleet = FleetSpeeds(cfg.prefill_tokens_per_s, cfg.decode_step_s, cfg.step_from_context)
 
@@ -91,7 +91,7 @@ class Estimator:
     def speeds(self, view: WorkerView) -> Speeds:
         """Measured speeds where the worker reported them, priors otherwise.
 
-        The step: with `step_from_context` and a fit (`router.fleet`), the fleet's fit at the
+        The step: with `step_from_context` and a fit (`speeds`), the fleet's fit at the
         context booked on the worker now, plus other routers' share of its reported context.
         Otherwise its measured step, which covers the batch it reported; requests booked since
         then (more than it reported) each add the prior per-request growth.

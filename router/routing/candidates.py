@@ -51,13 +51,13 @@ class WorkerView:
     drain_tokens_per_s: float = 0.0  # KV its ending requests released lately (0: none yet)
     queue_s: float = 0.0  # predicted seconds until its booked prefill queue drains
     affinity_rate: float = 0.0  # arrivals/s lately whose longest cached prefix is here
-    demand_tokens_per_s: float = 0.0  # prompt tokens/s routed here lately (`router.affinity`)
+    demand_tokens_per_s: float = 0.0  # prompt tokens/s routed here lately (`affinity`)
     # requests its last stats counted beyond this router's bookings when they arrived (other
     # routers'): fixed until the next stats, so releases since then do not look like load
     foreign_requests: int = 0
     max_running: int = 64  # its engine's shape (`worker.protocol.EngineShape`)
     prefill_budget: int = 512
-    estimate: Estimate = NO_ESTIMATE  # the request on this worker (`router.estimate`)
+    estimate: Estimate = NO_ESTIMATE  # the request on this worker (`estimate`)
 
     @property
     def load(self) -> int:
@@ -75,8 +75,8 @@ class RouteRequest:
     expected_output: int = 0
     block_size: int = 16
     session_id: str | None = None
-    fleet_tokens_per_s: float = 0.0  # the fleet's median prefill speed now (`router.fleet`)
-    saturation: float = 0.0  # share of the recent past no worker was free (`router.load`)
+    fleet_tokens_per_s: float = 0.0  # the fleet's median prefill speed now (`speeds`)
+    saturation: float = 0.0  # share of the recent past no worker was free (`bookings`)
 
 
 @dataclass(slots=True)

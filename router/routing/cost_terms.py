@@ -36,9 +36,7 @@ The terms (seconds of score per second of the named quantity):
   the decayed share of the last `saturation_window_s` in which no worker was free): the tail
   weight x (1 - saturation), the guard's margin / (1 - saturation). A worker free for a
   moment in a saturated fleet is not spare capacity, the next arrivals fill it anyway; moving
-  a holder's request there to recompute puts both behind. (Two simulated vLLM-CPU engines at
-  2 requests/s, 40 arrival orders: 54.0% hits and 3.10 s mean TTFT without the fade, 55.8%
-  and 2.86 s with it; `cache_aware` 58.3% and 2.61 s.)
+  a holder's request there to recompute puts both behind (figures in docs/benchmarks.md).
 - `affinity`: while a worker computes this prefill (P s), the requests whose prefix it holds
   arrive at its affinity rate and wait P / 2 on average, or recompute elsewhere: `weight x rate
   x P^2 / 2`, times busy (with idle workers around they have somewhere cheap to go). It keeps
@@ -63,7 +61,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from router.views import RouteRequest, WorkerView
+from router.routing.candidates import RouteRequest, WorkerView
 
 
 @dataclass

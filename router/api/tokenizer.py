@@ -7,10 +7,11 @@ any tail that could still become a stop string, so a client never sees part of a
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tokenizers.decoders import DecodeStream
 
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete UTF-8 sequence
 
@@ -32,7 +33,6 @@ class Tokenizer:
         if getattr(self.hf, "clean_up_tokenization_spaces", False):
             self.fast = None  # decode post-processing only transformers does
         self._single: dict[tuple[int, bool], str] = {}  # at most 2 x vocab entries
-        self.byte_table, self.special_ids = _byte_level_table(self) if self.fast else (None, set())
         limit = getattr(self.hf, "model_max_length", None)
         sane = isinstance(limit, int) and limit < 1 << 30  # HF uses a huge int for "unknown"
         self.model_max_length: int | None = limit if sane else None
@@ -49,7 +49,7 @@ class Tokenizer:
         if self.fast is None:
             return list(self.hf.encode(text, add_special_tokens=special))
         # `encode` would give the same ids, but holds the GIL; `encode_batch` releases it while
-        # it works (about 1 us more per call), so the router's tokenize threads (router.app)
+        # it works (about 1 us more per call), so the router's tokenize threads (`Router.off_loop`)
         # run on other cores than the event loop.
         return self.fast.encode_batch([text], add_special_tokens=special)[0].ids
 
@@ -94,6 +94,11 @@ class TextStream:
     that could be the start of a stop string held back. Once a stop string is seen, `stopped` is
     True, the text before it was returned and everything after is dropped. `finish()` returns
     what was held back when the generation ends without a stop string.
+
+    The characters come from the tokenizer's own incremental decoder (`tokenizers`'
+    `DecodeStream`, as vLLM uses), which waits while the ids end inside a character. A
+    tokenizer without one (no Rust backend, or transformers' clean-up of spaces) decodes all ids
+    at each push instead. Either way the text is the decode of all ids, pushed in any pieces.
     """
 
     def __init__(
@@ -103,59 +108,55 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.prefix_offset = 0  # ids[prefix_offset:read_offset] were decoded last time
-        self.read_offset = 0  # ids before this have been turned into text
+        self.decoded = ""  # the text of `ids` the decoder has given so far
+        self.waiting = 0  # trailing ids the decoder holds: they end inside a character
         self.held = ""  # decoded text not yet sent: it may begin a stop string
         self.stopped = False
         self.text = ""  # everything sent so far
-        # Byte-level BPE (GPT-2 style: Llama 3, Qwen, ...): a token is a fixed byte string,
-        # so text is an incremental UTF-8 decode of the bytes, exact and without re-decoding.
-        self.table = tokenizer.byte_table
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self.table else None
+        self.decoder: DecodeStream | None = None
+        if tokenizer.fast is not None:
+            self.decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def push(self, ids: Sequence[int]) -> str:
         if self.stopped or not ids:
             return ""
-        if self.utf8 is not None:
-            return self._release(self.utf8.decode(self._bytes(ids)))
         self.ids.extend(ids)
-        return self._release(self._decode_new())
+        if self.decoder is None:
+            return self._release(self._decode_all())
+        new = []
+        for i in ids:
+            piece = self.decoder.step(self.tokenizer.fast, i)
+            if piece is None:
+                self.waiting += 1
+            else:
+                self.waiting = 0
+                new.append(piece)
+        text = "".join(new)
+        self.decoded += text
+        return self._release(text)
 
-    def _bytes(self, ids: Sequence[int]) -> bytes:
-        table, size = self.table, len(self.table)
-        skip = self.tokenizer.special_ids if self.skip_special_tokens else ()
-        return b"".join(table[i] for i in ids if i < size and i not in skip)
+    def _decode_all(self) -> str:
+        now = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        if now.endswith(_REPLACEMENT) or len(now) <= len(self.decoded):
+            self.waiting = len(self.ids)  # an incomplete character: wait for more ids
+            return ""
+        new, self.decoded, self.waiting = now[len(self.decoded) :], now, 0
+        return new
 
     def finish(self) -> str:
         """Flush at end of generation: held text plus any trailing partial character."""
         if self.stopped:
             return ""
         tail = ""
-        if self.utf8 is not None:
-            tail = self.utf8.decode(b"", final=True)
-        elif self.read_offset < len(self.ids):
-            before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-            tail = self._decode(self.ids[self.prefix_offset :])[len(before) :]
-            self.read_offset = len(self.ids)
+        if self.waiting:  # the ids end inside a character: it decodes as U+FFFD, as in one go
+            now = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+            tail, self.decoded, self.waiting = now[len(self.decoded) :], now, 0
         out = self._release(tail)
         if not self.stopped:
             out += self.held
             self.text += self.held
             self.held = ""
         return out
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _decode_new(self) -> str:
-        # Decode with one step of left context so tokenizers that render a token differently
-        # at the start of a text (leading spaces) give the same characters as the whole text.
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        now = self._decode(self.ids[self.prefix_offset :])
-        if now.endswith(_REPLACEMENT) or len(now) <= len(before):
-            return ""  # an incomplete character (or nothing visible yet): wait for more ids
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return now[len(before) :]
 
     def _release(self, new_text: str) -> str:
         buf = self.held + new_text
@@ -190,44 +191,3 @@ def _stop_prefix_len(text: str, stop: list[str]) -> int:
                 best = n
                 break
     return best
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: the printable character that stands for each byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-def _byte_level_table(tok: Tokenizer) -> tuple[list[bytes] | None, set[int]]:
-    """Each token's bytes when the tokenizer decodes byte-level (else None), and the special
-    ids. Checked against the tokenizer itself on every token that decodes alone."""
-    if type(tok.fast.decoder).__name__ != "ByteLevel":
-        return None, set()
-    alphabet = _byte_alphabet()
-    added = tok.hf.added_tokens_decoder
-    vocab = tok.fast.get_vocab(with_added_tokens=True)
-    table = [b""] * (max(vocab.values()) + 1)
-    for token, i in vocab.items():
-        if i in added:
-            table[i] = added[i].content.encode()
-        elif all(c in alphabet for c in token):
-            table[i] = bytes(alphabet[c] for c in token)
-        else:
-            return None, set()
-    special = {i for i, t in added.items() if t.special}
-    ids = list(range(len(table)))
-    texts = tok.fast.decode_batch([[i] for i in ids], skip_special_tokens=False)
-    for i, text in zip(ids, texts, strict=True):
-        try:
-            if table[i].decode() != text:
-                return None, set()
-        except UnicodeDecodeError:
-            continue  # part of a character: only whole sequences can be compared
-    return table, special

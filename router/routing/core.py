@@ -1,8 +1,8 @@
 """RoutingCore: the prefix index, the estimate, a policy, the session pins and the booked load.
 
-The live router (`router/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
+The live router (`router/api/app.py`) and the simulator (`cluster/sim/`) both drive this object, so
 they route identically. The clock is injected: the simulator passes its simulated time. The
-workers are the registry's (`router.registry`); the core follows its membership as a listener
+workers are the registry's (`registry`); the core follows its membership as a listener
 and reads each worker's record (state, shape, stats, event cursor) when it routes.
 
 The life of one request:
@@ -24,14 +24,14 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 from mem_cache.events import AllCleared, KVEvent, SessionHeld, SessionReleased, decode_batch
-from router.affinity import AffinityRates
-from router.estimate import EstimateConfig, Estimator
-from router.load import Booking, LoadLedger, Saturation
-from router.policies import DEFAULT_POLICY, Policy, PolicyConfig, make_policy
-from router.prefix_index import IndexConfig, PrefixIndex
-from router.registry import DEAD, WorkerRegistry, WorkerState
-from router.sessions import SessionConfig, SessionTable
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.affinity import AffinityRates
+from router.routing.bookings import Booking, LoadLedger, Saturation
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.estimate import EstimateConfig, Estimator
+from router.routing.policies import DEFAULT_POLICY, Policy, PolicyConfig, make_policy
+from router.routing.prefix_index import IndexConfig, PrefixIndex
+from router.routing.registry import DEAD, WorkerRegistry, WorkerState
+from router.routing.sessions import SessionConfig, SessionTable
 from worker.protocol import EngineShape, WorkerStats
 
 # every routing decision at DEBUG: the request, the choice, and each candidate's view of it

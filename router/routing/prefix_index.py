@@ -3,7 +3,7 @@
 Stored flat. Because block hashes are chained (`mem_cache.events.block_hashes`), hash `i` stands
 for the whole prefix of blocks `0..i`, so a worker's match for a request is the number of leading
 hashes it holds; no tree is needed. Per tier (`device`, `host`) one dict maps a hash to a bitmask
-of the workers holding it (`router/index_store.py`, which also keeps each worker's entries in
+of the workers holding it (`index_store.py`, which also keeps each worker's entries in
 LRU order for the memory bound), so a match for N workers is one pass of integer ANDs over the
 request's hashes, stopping as soon as no worker continues.
 
@@ -31,7 +31,7 @@ from mem_cache.events import (
     BlockStored,
     KVEvent,
 )
-from router.index_store import TIERS, EntryStore
+from router.routing.index_store import TIERS, EntryStore
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """An external engine's speeds as the router observes them through its own streams.
 
 An OpenAI-compatible server reports no prefill speed or decode step, yet the estimate
-(`router.estimate`) reads both from `WorkerStats` as it does for our own workers. The router
-times each of its requests to the engine instead:
+(`router.routing.estimate`) reads both from `WorkerStats` as it does for our own workers. The
+router times each of its requests to the engine instead:
 
 - prefill speed: over the recent requests sent while the router had nothing else in flight on
   that engine (so no queue of its own ahead of them), the least-squares line of time to first
@@ -11,40 +11,36 @@ times each of its requests to the engine instead:
   (HTTP, scheduling, the first decode step), which is not prefill;
 - decode step: the median over recent requests of the time between a request's first and
   last tokens per token generated in between, once `min_steps` requests have been timed (the
-  first requests of a fresh engine carry its warm-up: one of them at 30x its later steps was
-  seen to take every later request away from a vLLM).
+  first requests of a fresh engine carry its warm-up, which alone would take every later
+  request away from it).
 
-An engine that times its own prefills (vLLM's histograms, `router.engine_metrics`) gives better
+An engine that times its own prefills (vLLM's histograms, `external.metrics`) gives better
 points for the line: `observe_engine` takes the mean request of each interval between two
 scrapes, its computed tokens and its prefill phase's seconds. Those cover every request the
 engine served (other routers', warm-up, and the router's own queued ones, which its stream
 timings leave out), carry no queue or HTTP, and so give a line after a few requests, where
-the router's own timings needed a dozen on a busy engine (measured live: the first 11 of 64
-requests were priced at the prior, 8,000 tokens/s, against an engine's real ~600). From the
+the router's own timings need many more on a busy engine (docs/benchmarks.md). From the
 first such point the line is taken over the engine's points alone: the two kinds differ by
 the fixed cost of HTTP and the first step, and one line cannot fit both.
 
-The engine's timings are per request, and a request's prefill phase lasts as long as the
-steps it shares with the other prompts scheduled beside it: on a busy engine a 100-token
-remainder computed in the step of an 850-token prompt takes that whole step. Such points do
-not lie on one line. On two vLLM-CPU engines at 1 request/s the line through them came out at
-1,800-7,500 tokens/s from 4-8 points and at 200-350 later, against ~300 for a lone cold
-prompt. But sharing a step only ever lengthens a prefill: no interval's mean request is
-computed faster than the engine's speed, so the fastest of them (`envelope_tokens` or more
-computed, where the fixed cost of a step weighs little) is a floor under the speed, taken once
-`min_points` such means were seen (a fresh engine's first request is slow, and a floor from it
-alone would price the engine below its peers, which would then get every request). The
-engine's speed is the line clamped between that floor and `max_over_envelope` times it, and
-the floor alone while there is no line.
+The engine's timings are per request, and a request's prefill phase lasts as long as the steps
+it shares with the other prompts scheduled beside it: on a busy engine a 100-token remainder
+computed in the step of a long prompt takes that whole step. Such points do not lie on one
+line: a line through a few of them can come out several times faster than a lone cold prompt's
+prefill, and later slower (docs/benchmarks.md). But sharing a step only ever lengthens a
+prefill: no interval's mean request is computed faster than the engine's speed, so the fastest
+of them (`envelope_tokens` or more computed, where the fixed cost of a step weighs little) is a
+floor under the speed, taken once `min_points` such means were seen (a fresh engine's first
+request is slow, and a floor from it alone would price the engine below its peers, which would
+then get every request). The engine's speed is the line clamped between that floor and
+`max_over_envelope` times it, and the floor alone while there is no line.
 
 Until the timings give a figure, a probe run when the router took the engine on stands in
-(`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without
-one, the fleet's median or a fixed prior (8,000 tokens/s) stands in, and a prior is far off
-on some engines: on two vLLM-CPU engines at ~300 tokens/s it priced the first 8-31 requests
-of each live run, a cold 870-token prompt at 0.11-0.14 s against a real 2.7 s, so copying a
-prefix to the engine without it looked nearly free. The probe's figures are the
-engine's, not its timings': they do not age out, and they survive its restart (same address,
-same hardware).
+(`calibrate`, `HttpBackend.calibrate`): its own prompts, timed on the idle engine. Without one,
+the fleet's median or a fixed prior stands in, and a prior is far off on some engines: it
+prices a cold prompt far below its real prefill, so copying a prefix to the engine looks nearly
+free (docs/benchmarks.md). The probe's figures are the engine's, not its timings': they do not
+age out, and they survive its restart (same address, same hardware).
 
 Timings older than `max_age_s` are dropped. An engine that looked slow and got no requests
 since would otherwise keep that figure forever, and `cost` would keep routing around it; with
@@ -70,7 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import median
 
-from router.fleet import fit_line
+from router.routing.speeds import fit_line
 
 
 @dataclass

@@ -89,7 +89,7 @@ class Saturation:
     saturated that long (or until the next decision, whichever comes first).
 
     A worker free for a moment in a saturated fleet is not spare capacity: the next arrivals
-    fill it anyway (`router.cost_terms` reads this to tell that moment from a lull).
+    fill it anyway (`cost_terms` reads this to tell that moment from a lull).
     """
 
     def __init__(self, window_s: float = 10.0) -> None:

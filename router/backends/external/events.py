@@ -2,7 +2,7 @@
 numbered event batches.
 
 `EngineEventStream` runs on the router's event loop. It reads the engine's PUB socket
-(`[topic, seq, payload]`, see `router.engine_mirror`), checks the sequence, applies each valid
+(`[topic, seq, payload]`, see `external.mirror`), checks the sequence, applies each valid
 batch to an `EngineMirror` and keeps the resulting router events as batches numbered in the
 router's own `(epoch, seq)` (`mem_cache.events.encode_batch`). `batches_after(epoch, seq)` is
 what `Backend.kv_events` returns: the batches after a cursor, or a snapshot when the cursor is of
@@ -36,7 +36,7 @@ import zmq
 import zmq.asyncio
 
 from mem_cache.events import KVEvent, encode_batch
-from router.engine_mirror import BadEvent, EngineMirror, parse_payload
+from router.backends.external.mirror import BadEvent, EngineMirror, parse_payload
 
 log = logging.getLogger("radixray.router")
 

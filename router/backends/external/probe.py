@@ -1,11 +1,10 @@
 """A probe of an external engine's speeds, run once when the router takes the engine on.
 
 The estimate prices every request with the engine's prefill speed and decode step
-(`router.engine_speed`), which the router otherwise learns only from the traffic it routes,
-a fixed prior standing in until then; and a prior fits no real engine: two vLLM-CPU engines
-prefill ~300 tokens/s against a prior of 8,000, so without a probe the first 8-31 requests of
-each live run priced a cold 870-token prompt at 0.11-0.14 s against its real 2.7 s, and
-copying a prefix to the engine without it looked nearly free.
+(`external.speed`), which the router otherwise learns only from the traffic it routes, a fixed
+prior standing in until then; and a prior fits no real engine: until its first requests are
+timed, a cold prompt is priced far below its real prefill, and copying a prefix to the engine
+looks nearly free (figures in docs/benchmarks.md).
 
 So the router times a few prompts of its own on the idle engine, each with a fresh random
 start (nothing of it cached) and one output token unless said otherwise:
@@ -21,10 +20,8 @@ start (nothing of it cached) and one output token unless said otherwise:
 
 The fastest timing of each prompt stands for it. Two rounds are enough where both figures
 come out positive, and rounds go on (up to `max_rounds`, each sending only the prompts a
-figure still 0 needs) until they do. On a fast engine the differences are a few milliseconds
-(the tests' tiny model on vLLM-CPU: ~8 ms for 480 tokens) and a machine shared with other
-engines now and then delays a request by hundreds: with two rounds only, 3 of 30 probes
-beside a busy core measured 0, none of 40 with rounds.
+figure still 0 needs) until they do: on a fast engine the differences are a few milliseconds,
+and a machine shared with other engines now and then delays a request by far more.
 
 A figure that does not come out positive is 0 (not measured): the prior stands in for it.
 """
@@ -35,6 +32,9 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from operator import attrgetter
+
+PROBE_TOKENS = 1024  # the long prompt of an external engine's probe
+PROBE_TIMEOUT_S = 120.0  # a probe that takes longer is given up: the prior stands in
 
 # plain words a tokenizer splits into a token or two each
 _WORDS = (

@@ -1,13 +1,5 @@
-"""Where requests go: one `Backend` per worker, behind one interface.
-
-`RayBackend` talks to a `WorkerActor` handle (token ids in, `TokenChunk`s out, KV events and
-stats pulled). `HttpBackend` talks to any OpenAI-compatible server (vLLM, SGLang, another
-radixray) over HTTP with aiohttp, so the router can front servers it did not start.
-
-Errors are two kinds, and the dispatcher treats them differently:
-`BackendDead` (the worker is gone or unreachable: fail over to another worker) and
-`BackendRequestError` (the worker refused this request: no point retrying elsewhere).
-"""
+"""`HttpBackend`: any OpenAI-compatible server (vLLM, SGLang, another radixray) over HTTP with
+aiohttp, so the router can front servers it did not start."""
 
 from __future__ import annotations
 
@@ -15,144 +7,18 @@ import asyncio
 import logging
 import random
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from router.engine_events import EngineEventsConfig, EngineEventStream
-from router.engine_metrics import EngineMetrics, parse_engine_metrics
-from router.engine_probe import ProbeTiming, probe_engine
-from router.engine_speed import EngineSpeed
-from router.sse import sse_json
+from router.backends.base import Backend, BackendDead, BackendRequestError
+from router.backends.external.events import EngineEventsConfig, EngineEventStream
+from router.backends.external.metrics import EngineMetrics, parse_engine_metrics
+from router.backends.external.probe import PROBE_TIMEOUT_S, PROBE_TOKENS, ProbeTiming, probe_engine
+from router.backends.external.speed import EngineSpeed
+from router.backends.sse import sse_json
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
 log = logging.getLogger("radixray.router")
-
-PROBE_TOKENS = 1024  # the long prompt of an external engine's probe (`router.engine_probe`)
-PROBE_TIMEOUT_S = 120.0  # a probe that takes longer is given up: the prior stands in
-
-
-class BackendDead(Exception):
-    """The worker died or cannot be reached."""
-
-
-class BackendRequestError(Exception):
-    """The worker rejected the request itself (bad parameters); retrying elsewhere won't help."""
-
-
-class Backend(ABC):
-    """One worker as the router sees it. All methods are called from the router's event loop."""
-
-    worker_id: str
-
-    @abstractmethod
-    async def ready(self) -> dict[str, Any]:
-        """Waits until the worker serves; returns at least `model`, and the engine's shape as
-        far as the worker knows it (the keys of `worker.protocol.EngineShape`; the router takes
-        the documented defaults for the others)."""
-
-    @abstractmethod
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        """Streams the request's chunks; the last one has `finish_reason` set. Stopping the
-        iteration early does not abort the request on the worker: call `abort`."""
-
-    @abstractmethod
-    async def abort(self, request_id: str) -> None: ...
-
-    @abstractmethod
-    async def stats(self) -> WorkerStats: ...
-
-    @abstractmethod
-    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
-        """Encoded KV event batches after `after_seq` of `epoch`, or a snapshot batch
-        (starting with AllCleared) when the epoch differs or the batches are gone."""
-
-    @abstractmethod
-    async def close_session(self, session_id: str) -> bool: ...
-
-    async def calibrate(self) -> None:  # noqa: B027 - most workers measure themselves
-        """Measures the worker's speeds before it takes requests, where only the router can
-        (an external engine: `HttpBackend.calibrate`); called once it is `ready()`."""
-
-    async def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
-        """Releases connections; the worker itself keeps running."""
-
-
-def _chunks(item: Any) -> list[TokenChunk]:
-    """A streamed item is one TokenChunk or a list of them (one engine step)."""
-    return list(item) if isinstance(item, (list, tuple)) else [item]
-
-
-class RayBackend(Backend):
-    """A `WorkerActor` handle. Needs `ray.init` done in this process (or a Serve replica)."""
-
-    def __init__(self, worker_id: str, handle: Any) -> None:
-        self.worker_id = worker_id
-        self.handle = handle
-
-    async def _call(self, method: Any, *args: Any) -> Any:
-        import ray.exceptions as rex
-
-        try:
-            return await method.remote(*args)
-        except rex.RayTaskError as exc:
-            raise _task_error(exc) from exc
-        except rex.RayError as exc:
-            raise BackendDead(f"{self.worker_id}: {exc}") from exc
-
-    async def ready(self) -> dict[str, Any]:
-        return dict(await self._call(self.handle.ready))
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
-        import ray.exceptions as rex
-
-        stream = None
-        finished = False
-        try:
-            stream = self.handle.generate.options(num_returns="streaming").remote(request)
-            async for ref in stream:
-                for chunk in _chunks(await ref):
-                    finished = chunk.finish_reason is not None
-                    yield chunk
-        except rex.RayTaskError as exc:
-            raise _task_error(exc) from exc
-        except rex.RayError as exc:
-            raise BackendDead(f"{self.worker_id}: {exc}") from exc
-        finally:
-            if stream is not None and not finished:
-                _cancel(stream)  # the worker aborts a request whose generator is cancelled
-
-    async def abort(self, request_id: str) -> None:
-        try:
-            await self._call(self.handle.abort, request_id)
-        except (BackendDead, BackendRequestError):
-            pass  # a dead worker has nothing left to abort
-
-    async def stats(self) -> WorkerStats:
-        return await self._call(self.handle.stats)
-
-    async def kv_events(self, epoch: int, after_seq: int) -> list[bytes]:
-        return list(await self._call(self.handle.kv_events, epoch, after_seq))
-
-    async def close_session(self, session_id: str) -> bool:
-        return bool(await self._call(self.handle.close_session, session_id))
-
-
-def _cancel(stream: Any) -> None:
-    import ray
-
-    try:
-        ray.cancel(stream)
-    except Exception:  # noqa: BLE001 - already finished or the worker is gone: nothing to stop
-        pass
-
-
-def _task_error(exc: Exception) -> Exception:
-    """A worker-side exception: ValueError means a rejected request, anything else a failure."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, ValueError) or isinstance(exc, ValueError):
-        return BackendRequestError(str(cause))
-    return BackendDead(str(exc))
 
 
 class HttpBackend(Backend):
@@ -164,13 +30,13 @@ class HttpBackend(Backend):
     backend; without it such text is dropped). Top logprobs are not carried over. A request's
     namespace goes as `cache_salt`.
 
-    With `events` (the engine's ZMQ KV event endpoints, `router.engine_events`) the router's
+    With `events` (the engine's ZMQ KV event endpoints, `external.events`) the router's
     index follows what the engine really caches and evicts; without, it holds only the
     router's own routing history. The engine's shape and load come from its `/metrics` where
-    it reports them (`router.engine_metrics`): block size, KV capacity, running and waiting
+    it reports them (`external.metrics`): block size, KV capacity, running and waiting
     requests, and its start time (a new one: the engine restarted, its events are purged).
     Its prefill speed and decode step are timed on the router's own streams, the prefill
-    speed on the engine's own timings where its `/metrics` has them (`router.engine_speed`),
+    speed on the engine's own timings where its `/metrics` has them (`external.speed`),
     and reported in `stats()`, as our workers report theirs; until those give figures, a probe
     of `probe_tokens` run at join on the idle engine stands in (`calibrate`; 0: no probe).
     `block_size` is the granularity its KV events are hashed at, reported by `ready()` as the
@@ -250,7 +116,7 @@ class HttpBackend(Backend):
         }
 
     async def calibrate(self) -> None:
-        """Probes the engine's prefill speed and decode step (`router.engine_probe`) once, if
+        """Probes the engine's prefill speed and decode step (`external.probe`) once, if
         it is idle (a busy engine's timings would carry its queue; the router then learns
         from its own traffic). Where the engine counts its prefills (vLLM's `/metrics`), a
         probe it served other requests beside (another router's probe, say) is not used. A

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.generation import ChoiceDelta, ChoiceRun, Job, TokenLogprob
-from router.tokenizer import Tokenizer
+from router.api.requests import Job
+from router.api.tokenizer import Tokenizer
+from router.dispatch import Choice, ChoiceDelta, TokenLogprob
 
 
 def _dumps(obj: Any) -> bytes:
@@ -53,7 +54,7 @@ class Renderer:
             "model": self.job.model,
         }
 
-    def body(self, runs: list[ChoiceRun], texts: list[str], usage: dict) -> dict:
+    def body(self, runs: list[Choice], texts: list[str], usage: dict) -> dict:
         """The non-streaming response; `texts[i]` is choice i's whole text."""
         choices = []
         for run, text in zip(runs, texts, strict=True):

@@ -3,7 +3,7 @@ prompt tokens routed there lately.
 
 A worker that holds many live conversations gets their next turns. A long prefill routed to it
 makes every one of those turns wait behind it, or give up its cached prefix by going elsewhere.
-`cost` weighs that harm with the two rates measured here (`router.cost_terms`: affinity, demand):
+`cost` weighs that harm with the two rates measured here (`cost_terms`: affinity, demand):
 
 - `rate`: arrivals per second that found their longest match on the worker (each arrival adds
   one, shared evenly among the workers that hold its longest match);

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from router.backends import Backend
 from worker.protocol import EngineShape, WorkerStats
+
+if TYPE_CHECKING:  # the routing room imports no transport: the simulator runs it
+    from router.backends.base import Backend
 
 READY, DRAINING, DEAD = "ready", "draining", "dead"
 

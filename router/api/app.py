@@ -2,12 +2,12 @@
 metrics.
 
 `backends` are the workers known at start (e.g. `RayBackend(worker_id, actor_handle)`); they
-join when the app starts (lifespan, or the first request when the host runs no lifespan, as
-in some Ray Serve set-ups). Workers can come and go later through `app.state.router.workers`
-(`WorkerSync`: `attach(backend)`, `detach(worker_id)`, `mark_dead(worker_id)`, called on the
-app's event loop; their records, with state and in-flight counts, are
-`app.state.router.registry`'s) or the admin endpoints. `control` (see
-`router.admin.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
+join when the app starts (lifespan, or the first request when the host runs no lifespan, as in
+some Ray Serve set-ups: `_Guard` starts the router then). Workers can come and go later through
+`app.state.router.workers` (`WorkerSync`: `attach(backend)`, `detach(worker_id)`,
+`mark_dead(worker_id)`, called on the app's event loop; their records, with state and in-flight
+counts, are `app.state.router.registry`'s) or the admin endpoints. `control` (see
+`router.api.admin.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
 endpoints start and stop workers; without it, adding answers 501. `tokenizer` defaults to the
 HF tokenizer of `config.tokenizer or config.model`.
 
@@ -18,7 +18,7 @@ POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
 under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving worker, or
 "none"). With `config.api_key`, every /v1/* call needs `Authorization: Bearer <key>`.
 Completions and chat requests past `config.max_concurrent` in flight get 429 with
-`Retry-After` (`router.admission`); on shutdown the app waits up to `config.drain_timeout_s`
+`Retry-After` (`router.api.admission`); on shutdown the app waits up to `config.drain_timeout_s`
 for those in flight to end before it stops the workers' link.
 """
 
@@ -34,17 +34,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.admin import WorkerControl
-from router.admission import Admission
-from router.backends import Backend
+from router.api.admin import WorkerControl
+from router.api.admission import Admission
+from router.api.errors import APIError, bad_request, body_too_large, invalid_api_key
+from router.api.openai_types import ChatRequest, CompletionRequest, parse_body
+from router.api.render import SSE_DONE, Renderer, sse
+from router.api.requests import Job
+from router.api.tokenizer import Tokenizer
+from router.backends.base import Backend
 from router.config import RouterConfig
-from router.core import RoutingCore
-from router.errors import APIError, bad_request, body_too_large, invalid_api_key
-from router.generation import ChoiceRun, Job, account, merged, open_choices
-from router.openai_types import ChatRequest, CompletionRequest, parse_body
-from router.render import SSE_DONE, Renderer, sse
-from router.service import Router
-from router.tokenizer import Tokenizer
+from router.dispatch import Choice, account, merged, open_choices
+from router.router import Router
+from router.routing.core import RoutingCore
 
 WORKER_HEADER = "X-Radixray-Worker"
 
@@ -73,7 +74,9 @@ def _error(exc: APIError, headers: dict[str, str] | None = None) -> Response:
 
 
 class _Guard:
-    """ASGI middleware: API key on /v1/*, body size from Content-Length, the worker header."""
+    """ASGI middleware: API key on /v1/*, body size from Content-Length, the router started
+    (the one place besides the lifespan: a host that runs no lifespan, such as some Ray Serve
+    set-ups, starts it with its first request), the worker header."""
 
     def __init__(self, app: Any, router: Router) -> None:
         self.app = app
@@ -88,6 +91,7 @@ class _Guard:
                 endpoint_label(scope["path"]), str(failure.status)
             ).inc()
             return await _error(failure)(scope, receive, send)
+        await self.router.start()  # cheap once started
 
         async def send_with_header(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -184,7 +188,6 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
 
 def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> None:
     async def completions(request: Request) -> Response:
-        await router.start()
         body, job = await _job(request, CompletionRequest, router.jobs.completion_job, router)
         renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
         return await _serve(
@@ -192,7 +195,6 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
         )
 
     async def chat(request: Request) -> Response:
-        await router.start()
         body, job = await _job(request, ChatRequest, router.jobs.chat_job, router)
         top = (body.top_logprobs or 0) if body.logprobs else None
         renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
@@ -206,7 +208,6 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
 
     @app.get("/v1/models")
     async def models() -> Response:
-        await router.start()  # the context length comes from the workers
         card = {
             "id": router.config.model,
             "object": "model",
@@ -218,7 +219,6 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
 
     @app.get("/health")
     async def health() -> Response:
-        await router.start()
         ready = router.registry.routable()
         status = 200 if ready else 503
         return _json({"status": "ok" if ready else "no_workers", "workers": len(ready)}, status)
@@ -282,8 +282,8 @@ async def _leaving(
 async def _serve(
     router: Router, job: Job, renderer: Renderer, stream: bool, include_usage: bool, endpoint: str
 ) -> Response:
-    runs = await open_choices(job, router.dispatcher, router.tokenizer, router.metrics)
-    worker = runs[0].dispatch.first_worker
+    runs = await open_choices(job, router.dispatcher)
+    worker = runs[0].first_worker
     router.metrics.requests.labels(endpoint, "200").inc()
     if stream:
         return StreamingResponse(
@@ -297,13 +297,13 @@ async def _serve(
             texts[delta.index] += delta.text
     finally:
         for run in runs:
-            await run.dispatch.close()
+            await run.close()
     usage = account(job, runs, router.metrics)
-    return _json(renderer.body(runs, texts, usage), worker=runs[0].dispatch.worker_id)
+    return _json(renderer.body(runs, texts, usage), worker=runs[0].worker_id)
 
 
 async def _sse(
-    router: Router, job: Job, renderer: Renderer, runs: list[ChoiceRun], include_usage: bool
+    router: Router, job: Job, renderer: Renderer, runs: list[Choice], include_usage: bool
 ) -> AsyncIterator[bytes]:
     try:
         if renderer.chat:
@@ -320,13 +320,12 @@ async def _sse(
         yield SSE_DONE
     finally:
         for run in runs:
-            await run.dispatch.close()
+            await run.close()
 
 
 def _add_admin_routes(app: FastAPI, router: Router) -> None:
     @app.get("/v1/workers")
     async def workers() -> Response:
-        await router.start()
         return _json({"object": "list", "data": router.admin.workers_json()})
 
     async def add(request: Request) -> Response:

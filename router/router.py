@@ -2,7 +2,8 @@
 
 It builds and holds the parts: the tokenizer, the routing core with its worker registry, the
 link to the workers (`WorkerSync`, with its polling task), the dispatcher, the metrics, the
-request builder (`router.jobs`) and the admin verbs (`router.admin`); and it closes sessions.
+request builder (`router.api.requests`) and the admin verbs (`router.api.admin`); and it
+closes sessions.
 """
 
 from __future__ import annotations
@@ -12,22 +13,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from router.admin import WorkerAdmin, WorkerControl
-from router.backends import Backend
+from router.api.admin import WorkerAdmin, WorkerControl
+from router.api.requests import JobBuilder
+from router.api.tokenizer import Tokenizer
+from router.backends.base import Backend
+from router.backends.sync import WorkerSync
 from router.config import RouterConfig, cost_config
-from router.core import CoreConfig, RoutingCore
 from router.dispatch import Dispatcher
-from router.jobs import JobBuilder
 from router.metrics import RouterMetrics
-from router.policies import PolicyConfig
-from router.tokenizer import Tokenizer
-from router.workers import WorkerSync
+from router.routing.core import CoreConfig, RoutingCore
+from router.routing.policies import PolicyConfig
 
 T = TypeVar("T")
 
 
 class Router:
-    """The router's state and operations; `router.app` is its HTTP face."""
+    """The router's state and operations; `router.api.app` is its HTTP face."""
 
     def __init__(
         self,
@@ -53,7 +54,8 @@ class Router:
         self.registry.subscribe(self.metrics)
         self.workers = WorkerSync(config, self.core, self.metrics)
         self.dispatcher = Dispatcher(
-            self.core, self.workers, self.metrics, config.max_failovers, config.namespace
+            self.core, self.workers, self.metrics, self.tokenizer, config.max_failovers,
+            config.namespace,
         )
         self.jobs = JobBuilder(config, self.tokenizer, self.registry)
         self.admin = WorkerAdmin(self.registry, self.workers, control)

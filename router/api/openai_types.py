@@ -12,10 +12,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from router.errors import APIError, bad_request
+from router.api.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class _Body(BaseModel):

@@ -1,6 +1,6 @@
 """`WorkerSync`: the router's link to its workers' backends: joining, polling, reviving.
 
-It keeps the registry's records (`router.registry`) in step with the workers: a worker joins
+It keeps the registry's records (`router.routing.registry`) in step with the workers: a worker joins
 once its backend answers `ready()` and `calibrate()` (its engine shape, its speeds where the
 router must measure them, then its stats and a snapshot of its cache); KV events are pulled
 every `event_poll_s`, stats every `stats_poll_s`; a worker whose poll fails is marked dead
@@ -21,11 +21,11 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from router.backends import Backend, BackendDead
+from router.backends.base import Backend, BackendDead
 from router.config import RouterConfig
-from router.core import RoutingCore
 from router.metrics import RouterMetrics
-from router.registry import DEAD, WorkerState
+from router.routing.core import RoutingCore
+from router.routing.registry import DEAD, WorkerState
 from worker.protocol import EngineShape, WorkerStats
 
 log = logging.getLogger("radixray.router")

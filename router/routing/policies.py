@@ -1,9 +1,9 @@
 """Routing policies: pick one worker for a request from a view of every eligible worker.
 
-Policies are plain objects over `WorkerView`s (`router.views`: prefix match, booked and reported
+Policies are plain objects over `WorkerView`s (`candidates`: prefix match, booked and reported
 load, and the core's estimate of the request there), so the live router and the simulator run
 the same code. `RoutingCore` builds the views of the ready, non-excluded workers once per
-request, estimates the request on each (`router.estimate`) and handles session pins; a policy
+request, estimates the request on each (`estimate`) and handles session pins; a policy
 only chooses.
 
 - `round_robin`, `random` (seeded), `power_of_two` (two random workers, the less loaded),
@@ -18,7 +18,7 @@ only chooses.
   rebalancing: a worker far above the least load gets no more (the least loaded one does).
 - `cost` (default): the least predicted time to first token (the estimate: queued prefill,
   waits for a running slot or KV room, own uncached prefill), plus named terms for the harm
-  the choice does to other requests (`router.cost_terms`: the prefill work it adds, the tail,
+  the choice does to other requests (`cost_terms`: the prefill work it adds, the tail,
   the guard, affinity, demand, its decode time there). A cached prefix is worth the
   prefill it saves, so locality yields to load gradually, never by a hard switch; load booked
   at dispatch makes a burst spread once queueing behind the cached worker costs more than
@@ -36,8 +36,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.cost_terms import CostTerms, scores
-from router.views import Decision, RouteRequest, WorkerView
+from router.routing.candidates import Decision, RouteRequest, WorkerView
+from router.routing.cost_terms import CostTerms, scores
 
 
 @dataclass
@@ -51,7 +51,7 @@ class PolicyConfig:
     overlap_weight: float = 1.0  # kv_cost: weight of prefill blocks against active blocks
     e2_balance_ratio: float = 2.0  # e2: a worker with more than this x the least load ...
     e2_balance_floor_s: float = 1.0  # ... plus this many seconds of work is overloaded
-    cost: CostTerms = field(default_factory=CostTerms)  # cost: its terms (`router.cost_terms`)
+    cost: CostTerms = field(default_factory=CostTerms)  # cost: its terms (`cost_terms`)
 
 
 class Policy(ABC):
@@ -226,7 +226,7 @@ def eviction_s(request: RouteRequest, view: WorkerView) -> float:
 
 class Cost(Policy):
     """The least predicted time to first token plus the harm to other requests (see
-    `router.cost_terms`)."""
+    `cost_terms`)."""
 
     name = "cost"
 

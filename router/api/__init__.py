@@ -1,0 +1,1 @@
+"""The HTTP API: handlers, request building, rendering, admission, admin verbs."""

@@ -1,0 +1,1 @@
+"""What the router reads of engines it did not start: KV events, /metrics, speeds, probes."""
