@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router.api.tokenizer import Tokenizer  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 from worker.loader.builtin import builtin_model_path  # noqa: E402
 
 

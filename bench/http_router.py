@@ -11,9 +11,9 @@ import argparse
 import uvicorn
 
 from router.api.app import create_app
-from router.api.tokenizer import Tokenizer
 from router.backends.http import HttpBackend
 from router.config import RouterConfig
+from router.tokenizer import Tokenizer
 from worker.loader.builtin import resolve_model
 
 

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily
 
 from cluster.config import API_KEY_ENV, json_object
-from router.api.errors import bad_request
 from router.backends.base import Backend
 from router.backends.external.events import EngineEventsConfig, EngineEventStream
 from router.backends.external.metrics import parse_engine_metrics
 from router.backends.external.probe import PROBE_TOKENS
 from router.backends.http import HttpBackend
 from router.config import RouterConfig
+from router.errors import bad_request
 from router.routing.policies import POLICY_NAMES
 from router.routing.registry import WorkerRegistry
 

@@ -35,10 +35,10 @@ from cluster.config import ClusterConfig
 from cluster.fleet import Member
 from cluster.route import EngineEventsCollector, spec_backend, worker_spec
 from router.api.app import create_app
-from router.api.errors import APIError
 from router.backends.base import Backend
 from router.backends.ray import RayBackend
 from router.config import RouterConfig
+from router.errors import APIError
 
 log = logging.getLogger("radixray.cluster")
 

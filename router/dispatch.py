@@ -28,20 +28,17 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mem_cache.events import block_hashes
-from router.api.errors import APIError, no_workers
-from router.api.tokenizer import TextStream, Tokenizer
 from router.backends.base import Backend, BackendDead, BackendRequestError
 from router.backends.sync import WorkerSync
+from router.errors import APIError, no_workers
+from router.job import Job
 from router.metrics import RouterMetrics
 from router.routing.core import RoutingCore
 from router.routing.registry import WorkerRegistry, WorkerState
+from router.tokenizer import TextStream, Tokenizer
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
-
-if TYPE_CHECKING:
-    from router.api.requests import Job
 
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # token, logprob, top alternatives
 

@@ -1,9 +1,10 @@
 """`Router`: everything behind the HTTP handlers, with no HTTP in it.
 
 It builds and holds the parts: the tokenizer, the routing core with its worker registry, the
-link to the workers (`WorkerSync`, with its polling task), the dispatcher, the metrics, the
-request builder (`router.api.requests`) and the admin verbs (`router.api.admin`); and it
-closes sessions.
+link to the workers (`WorkerSync`, with its polling task), the dispatcher and the metrics; it
+runs request building off the event loop and closes sessions. The HTTP face
+(`router.api.app`) builds on it the request builder (`router.api.requests`) and the admin
+verbs (`router.api.admin`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from router.api.admin import WorkerAdmin, WorkerControl
-from router.api.requests import JobBuilder
-from router.api.tokenizer import Tokenizer
 from router.backends.base import Backend
 from router.backends.sync import WorkerSync
 from router.config import RouterConfig, cost_config
@@ -23,6 +21,7 @@ from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.routing.core import CoreConfig, RoutingCore
 from router.routing.policies import PolicyConfig
+from router.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
@@ -34,7 +33,6 @@ class Router:
         self,
         config: RouterConfig,
         backends: Sequence[Backend] = (),
-        control: WorkerControl | None = None,
         tokenizer: Tokenizer | None = None,
         core: RoutingCore | None = None,
     ) -> None:
@@ -57,8 +55,6 @@ class Router:
             self.core, self.workers, self.metrics, self.tokenizer, config.max_failovers,
             config.namespace,
         )
-        self.jobs = JobBuilder(config, self.tokenizer, self.registry)
-        self.admin = WorkerAdmin(self.registry, self.workers, control)
         threads = config.tokenize_threads
         self._tokenize = (
             ThreadPoolExecutor(threads, thread_name_prefix="radixray-tokenize") if threads else None

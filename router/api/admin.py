@@ -12,9 +12,9 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
-from router.api.errors import APIError, bad_request, not_implemented
 from router.backends.base import Backend, BackendDead
 from router.backends.sync import WorkerSync
+from router.errors import APIError, bad_request, not_implemented
 from router.routing.registry import DEAD, WorkerRegistry
 
 _WORKER_KEYS = (

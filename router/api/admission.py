@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from router.api.errors import APIError
+from router.errors import APIError
 
 
 class Admission:

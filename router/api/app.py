@@ -6,7 +6,8 @@ join when the app starts (lifespan, or the first request when the host runs no l
 some Ray Serve set-ups: `_Guard` starts the router then). Workers can come and go later through
 `app.state.router.workers` (`WorkerSync`: `attach(backend)`, `detach(worker_id)`,
 `mark_dead(worker_id)`, called on the app's event loop; their records, with state and in-flight
-counts, are `app.state.router.registry`'s) or the admin endpoints. `control` (see
+counts, are `app.state.router.registry`'s) or the admin endpoints (`app.state.admin`:
+`router.api.admin.WorkerAdmin`; request bodies become jobs in `app.state.jobs`). `control` (see
 `router.api.admin.WorkerControl`: `add_worker()`, `remove_worker(worker_id)`) lets the admin
 endpoints start and stop workers; without it, adding answers 501. `tokenizer` defaults to the
 HF tokenizer of `config.tokenizer or config.model`.
@@ -34,18 +35,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router.api.admin import WorkerControl
+from router.api.admin import WorkerAdmin, WorkerControl
 from router.api.admission import Admission
-from router.api.errors import APIError, bad_request, body_too_large, invalid_api_key
 from router.api.openai_types import ChatRequest, CompletionRequest, parse_body
 from router.api.render import SSE_DONE, Renderer, sse
-from router.api.requests import Job
-from router.api.tokenizer import Tokenizer
+from router.api.requests import JobBuilder
 from router.backends.base import Backend
 from router.config import RouterConfig
 from router.dispatch import Choice, account, merged, open_choices
+from router.errors import APIError, bad_request, body_too_large, invalid_api_key
+from router.job import Job
 from router.router import Router
 from router.routing.core import RoutingCore
+from router.tokenizer import Tokenizer
 
 WORKER_HEADER = "X-Radixray-Worker"
 
@@ -150,7 +152,9 @@ def create_app(
     core: RoutingCore | None = None,
 ) -> FastAPI:
     """The router app over `backends`; see the module docstring for the whole contract."""
-    router = Router(config, backends, control, tokenizer, core)
+    router = Router(config, backends, tokenizer, core)
+    jobs = JobBuilder(config, router.tokenizer, router.registry)
+    admin = WorkerAdmin(router.registry, router.workers, control)
     admission = Admission(config.max_concurrent, config.retry_after_s)
 
     @asynccontextmanager
@@ -163,10 +167,12 @@ def create_app(
 
     app = FastAPI(title="radixray", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = router
+    app.state.jobs = jobs
+    app.state.admin = admin
     app.state.admission = admission
     _add_handlers(app, router)
-    _add_openai_routes(app, router, admission)
-    _add_admin_routes(app, router)
+    _add_openai_routes(app, router, jobs, admission)
+    _add_admin_routes(app, router, admin)
     app.add_middleware(_Guard, router=router)
     return app
 
@@ -186,16 +192,18 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
         return _error(APIError(500, f"internal error: {type(exc).__name__}"))
 
 
-def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> None:
+def _add_openai_routes(
+    app: FastAPI, router: Router, jobs: JobBuilder, admission: Admission
+) -> None:
     async def completions(request: Request) -> Response:
-        body, job = await _job(request, CompletionRequest, router.jobs.completion_job, router)
+        body, job = await _job(request, CompletionRequest, jobs.completion_job, router)
         renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
         return await _serve(
             router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
         )
 
     async def chat(request: Request) -> Response:
-        body, job = await _job(request, ChatRequest, router.jobs.chat_job, router)
+        body, job = await _job(request, ChatRequest, jobs.chat_job, router)
         top = (body.top_logprobs or 0) if body.logprobs else None
         renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
         return await _serve(
@@ -213,7 +221,7 @@ def _add_openai_routes(app: FastAPI, router: Router, admission: Admission) -> No
             "object": "model",
             "created": 0,
             "owned_by": "radixray",
-            "max_model_len": router.jobs.context_limit(),
+            "max_model_len": jobs.context_limit(),
         }
         return _json({"object": "list", "data": [card]})
 
@@ -323,10 +331,10 @@ async def _sse(
             await run.close()
 
 
-def _add_admin_routes(app: FastAPI, router: Router) -> None:
+def _add_admin_routes(app: FastAPI, router: Router, admin: WorkerAdmin) -> None:
     @app.get("/v1/workers")
     async def workers() -> Response:
-        return _json({"object": "list", "data": router.admin.workers_json()})
+        return _json({"object": "list", "data": admin.workers_json()})
 
     async def add(request: Request) -> Response:
         raw = await _read_body(request, router.config.max_body_bytes)
@@ -337,19 +345,19 @@ def _add_admin_routes(app: FastAPI, router: Router) -> None:
             except (ValueError, RecursionError):
                 data = None
             if isinstance(data, dict) and "url" in data:  # an external engine, by address
-                added = [await router.admin.add_url_worker(data)]
-                return _json({"added": added, "data": router.admin.workers_json()})
+                added = [await admin.add_url_worker(data)]
+                return _json({"added": added, "data": admin.workers_json()})
             count = data.get("count", 1) if isinstance(data, dict) else None
             if not isinstance(count, int) or not 1 <= count <= 64:
                 raise bad_request("count must be an integer in [1, 64]", param="count")
-        added = await router.admin.add_workers(count)
-        return _json({"added": added, "data": router.admin.workers_json()})
+        added = await admin.add_workers(count)
+        return _json({"added": added, "data": admin.workers_json()})
 
     async def drain(worker_id: str) -> Response:
-        return _json(await router.admin.drain(worker_id))
+        return _json(await admin.drain(worker_id))
 
     async def remove(worker_id: str) -> Response:
-        return _json(await router.admin.remove(worker_id))
+        return _json(await admin.remove(worker_id))
 
     for prefix in ("/v1/admin/workers", "/v1/workers"):
         app.add_api_route(prefix, add, methods=["POST"])

@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from router.api.errors import APIError, bad_request
+from router.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from router.api.requests import Job
-from router.api.tokenizer import Tokenizer
 from router.dispatch import Choice, ChoiceDelta, TokenLogprob
+from router.job import Job
+from router.tokenizer import Tokenizer
 
 
 def _dumps(obj: Any) -> bytes:

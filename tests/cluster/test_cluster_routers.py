@@ -20,7 +20,7 @@ from ray._private.state import actors
 
 from cluster.config import ClusterConfig
 from cluster.launcher import Launcher
-from router.api.tokenizer import Tokenizer
+from router.tokenizer import Tokenizer
 from worker.loader.builtin import builtin_model_path
 
 pytestmark = pytest.mark.ray

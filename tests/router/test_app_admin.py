@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 
 
 class FakeControl:
@@ -65,7 +65,7 @@ def test_add_drain_remove_through_the_admin_api(tokenizer):
         slow = {"model": "tiny", "prompt": "drain me", "max_tokens": 40, "stream": True}
         with http.stream("POST", "/v1/completions", json=slow) as resp:
             victim = resp.headers["x-radixray-worker"]
-            drain = server.call_soon(app.state.router.admin.drain(victim))
+            drain = server.call_soon(app.state.admin.drain(victim))
             workers = app.state.router.registry
             wait_for(lambda: victim not in workers or workers[victim].state == "draining")
             body = b"".join(resp.iter_bytes())

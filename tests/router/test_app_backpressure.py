@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 
 LIMIT = 3
 SLOW = {"model": "tiny", "prompt": "hold the slot", "max_tokens": 40, "ignore_eos": True}

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 
 LONG = " ".join(f"word{i % 997} and {i % 13}" for i in range(6000))  # ~90 KB
 
@@ -31,15 +31,14 @@ def live(tokenizer, request):
     workers = [FakeWorker("w0", max_context=1 << 16), FakeWorker("w1", max_context=1 << 16)]
     config = RouterConfig(model="tiny", tokenize_threads=request.param)
     app = create_app(config, workers, tokenizer=tokenizer)
-    router = app.state.router
     threads: list[str] = []
-    build = router.jobs.completion_job
+    build = app.state.jobs.completion_job
 
     def recording(body, session_id):
         threads.append(threading.current_thread().name)
         return build(body, session_id)
 
-    router.jobs.completion_job = recording
+    app.state.jobs.completion_job = recording
     with LiveServer(app) as server:
         server.threads = threads
         server.off_loop = request.param > 0

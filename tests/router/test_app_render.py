@@ -7,8 +7,8 @@ import json
 import pytest
 
 from router.api.render import Renderer
-from router.api.requests import Job
 from router.dispatch import ChoiceDelta
+from router.job import Job
 from worker.protocol import SamplingParams
 
 DELTAS = [

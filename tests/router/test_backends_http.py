@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, free_port, openai_server, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.backends.base import BackendDead  # noqa: E402
 from router.backends.http import HttpBackend  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 

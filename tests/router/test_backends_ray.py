@@ -18,10 +18,10 @@ from app_testkit import LiveServer, tiny_dir  # noqa: E402
 
 from mem_cache.events import decode_batch  # noqa: E402
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.backends.base import BackendDead, BackendRequestError  # noqa: E402
 from router.backends.ray import RayBackend  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.ray

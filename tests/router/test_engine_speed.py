@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, openai_server, tiny_dir  # noqa: E402
 
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.backends.external.speed import EngineSpeed, EngineSpeedConfig  # noqa: E402
 from router.backends.http import HttpBackend  # noqa: E402
 from router.routing.core import RoutingCore  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import GenerateRequest, SamplingParams  # noqa: E402
 
 

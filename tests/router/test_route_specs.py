@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.route import ExternalWorkers, WorkerSpec, parse_worker
-from router.api.errors import APIError
 from router.backends.external.metrics import parse_engine_metrics
+from router.errors import APIError
 
 
 def test_worker_spec_parses_url_and_event_endpoints():

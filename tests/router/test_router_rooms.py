@@ -1,5 +1,6 @@
-"""The rooms of `router/` and the direction of their imports: `api` -> `router.py` /
-`dispatch.py` -> `backends` -> `routing`. The simulator (`cluster.sim`) runs `routing`, so
+"""The rooms of `router/` and the direction of their imports: `api` -> `router.py` ->
+`dispatch.py` -> `backends` -> `routing`, with `config`, `metrics`, `errors`, `tokenizer` and
+`job` as leaves that import at most `routing`. The simulator (`cluster.sim`) runs `routing`, so
 `routing` brings in no transport (aiohttp, ZMQ, FastAPI, Ray); and no module of `router/` takes
 part in an import cycle. Imports under `if TYPE_CHECKING:` do not run and do not count."""
 
@@ -15,9 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 TRANSPORT = ("aiohttp", "zmq", "fastapi", "ray")
 
 # room -> the modules of `router` it may import at run time (a name and everything below it)
+# (bottom up: routing, the leaves, backends, dispatch.py, router.py, api)
+LEAVES = ("router.config", "router.metrics", "router.errors", "router.tokenizer", "router.job")
 ROOMS = {
     "router.routing": ("router.routing",),
-    "router.backends": ("router.backends", "router.routing", "router.config", "router.metrics"),
+    **{leaf: ("router.routing",) for leaf in LEAVES},
+    "router.backends": ("router.backends", "router.routing", *LEAVES),
+    "router.dispatch": ("router.backends", "router.routing", *LEAVES),
+    "router.router": ("router.dispatch", "router.backends", "router.routing", *LEAVES),
 }
 
 

@@ -19,12 +19,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import FakeWorker, LiveServer, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.backends.base import BackendDead  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.dispatch import Choice  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
 from router.routing.registry import WorkerState  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 from worker.protocol import EngineShape, GenerateRequest, SamplingParams, TokenChunk  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "wait for me", "max_tokens": 8, "ignore_eos": True}

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import LiveServer, tiny_dir  # noqa: E402
 
 from router.api.app import create_app  # noqa: E402
-from router.api.tokenizer import Tokenizer  # noqa: E402
 from router.backends.ray import RayBackend  # noqa: E402
 from router.config import RouterConfig  # noqa: E402
 from router.routing.registry import DEAD  # noqa: E402
+from router.tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 from app_testkit import tiny_dir  # noqa: E402
 
-from router.api.tokenizer import TextStream, Tokenizer  # noqa: E402
+from router.tokenizer import TextStream, Tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="module")

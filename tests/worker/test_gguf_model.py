@@ -98,7 +98,7 @@ def test_gguf_model_greedy_text_is_hf_transformers_on_the_same_gguf(
 
 
 def test_gguf_tokenizer_and_chat_template_are_hfs(hf_tokenizer, engine_on_gguf):
-    from router.api.tokenizer import Tokenizer
+    from router.tokenizer import Tokenizer
 
     _, converted = engine_on_gguf
     ours = Tokenizer(converted)  # what the router loads from the converted directory
