@@ -97,8 +97,9 @@ class TextStream:
 
     The characters come from the tokenizer's own incremental decoder (`tokenizers`'
     `DecodeStream`, as vLLM uses), which waits while the ids end inside a character. A
-    tokenizer without one (no Rust backend, or transformers' clean-up of spaces) decodes all ids
-    at each push instead. Either way the text is the decode of all ids, pushed in any pieces.
+    tokenizer without one (no Rust backend, or transformers' clean-up of spaces) decodes the ids
+    since the last text with the step before them as left context, so a push costs a few ids
+    whatever the length. Either way the text is the decode of all ids, pushed in any pieces.
     """
 
     def __init__(
@@ -108,8 +109,8 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
-        self.decoded = ""  # the text of `ids` the decoder has given so far
-        self.waiting = 0  # trailing ids the decoder holds: they end inside a character
+        self.prefix = 0  # ids[prefix:read] gave the last text: the left context of the next
+        self.read = 0  # ids before this have been turned into text
         self.held = ""  # decoded text not yet sent: it may begin a stop string
         self.stopped = False
         self.text = ""  # everything sent so far
@@ -120,37 +121,38 @@ class TextStream:
     def push(self, ids: Sequence[int]) -> str:
         if self.stopped or not ids:
             return ""
+        start = len(self.ids)
         self.ids.extend(ids)
         if self.decoder is None:
-            return self._release(self._decode_all())
-        new = []
-        for i in ids:
+            return self._release(self._decode_window())
+        pieces = []
+        for end, i in enumerate(ids, start + 1):
             piece = self.decoder.step(self.tokenizer.fast, i)
-            if piece is None:
-                self.waiting += 1
-            else:
-                self.waiting = 0
-                new.append(piece)
-        text = "".join(new)
-        self.decoded += text
-        return self._release(text)
+            if piece is not None:  # None: the ids so far end inside a character
+                pieces.append(piece)
+                self.prefix, self.read = self.read, end
+        return self._release("".join(pieces))
 
-    def _decode_all(self) -> str:
-        now = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        if now.endswith(_REPLACEMENT) or len(now) <= len(self.decoded):
-            self.waiting = len(self.ids)  # an incomplete character: wait for more ids
-            return ""
-        new, self.decoded, self.waiting = now[len(self.decoded) :], now, 0
-        return new
+    def _decode_window(self) -> str:
+        before = self._decode(self.ids[self.prefix : self.read])
+        now = self._decode(self.ids[self.prefix :])
+        if now.endswith(_REPLACEMENT) or len(now) <= len(before):
+            return ""  # an incomplete character (or nothing visible yet): wait for more ids
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def finish(self) -> str:
         """Flush at end of generation: held text plus any trailing partial character."""
         if self.stopped:
             return ""
         tail = ""
-        if self.waiting:  # the ids end inside a character: it decodes as U+FFFD, as in one go
-            now = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-            tail, self.decoded, self.waiting = now[len(self.decoded) :], now, 0
+        if self.read < len(self.ids):  # ids end inside a character: U+FFFD, as in one go
+            before = self._decode(self.ids[self.prefix : self.read])
+            tail = self._decode(self.ids[self.prefix :])[len(before) :]
+            self.read = len(self.ids)
         out = self._release(tail)
         if not self.stopped:
             out += self.held

@@ -125,7 +125,7 @@ def test_byte_level_stream_equals_decoding_all_ids(tok, ids, skip, step):
 
 
 def test_general_path_without_an_incremental_decoder(tok, monkeypatch):
-    monkeypatch.setattr(tok, "fast", None)  # no Rust backend: all ids are decoded at each push
+    monkeypatch.setattr(tok, "fast", None)  # no Rust backend: the windowed decode
     text = "héllo 世界 🎉 stop here"
     pieces, s = stream_all(tok, tok.encode(text), stop=["here"])
     assert s.decoder is None and s.stopped and "".join(pieces) == "héllo 世界 🎉 stop "
