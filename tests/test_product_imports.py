@@ -67,22 +67,42 @@ def test_the_check_sees_what_it_must_refuse(tmp_path):
     assert forbidden("worker", "cluster.config") and forbidden("mem_cache", "worker")
 
 
-def module_graph(package: str) -> dict[str, set[str]]:
-    """module -> the modules of the same package it imports (every import statement counts;
-    `from pkg.mod import name` names `pkg.mod`, or `pkg.mod.name` where that is a module)."""
+def _type_checking(node: ast.AST) -> bool:
+    """Whether `node` is an `if TYPE_CHECKING:` block (its imports never run)."""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def module_graph(
+    package: str, runtime_only: bool = False, root: Path = ROOT
+) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (every import statement counts,
+    or with `runtime_only` all but those under `if TYPE_CHECKING:`; `from pkg.mod import name`
+    names `pkg.mod`, or `pkg.mod.name` where that is a module)."""
     files = {
-        ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
-        for f in (ROOT / package).rglob("*.py")
+        ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+        for f in (root / package).rglob("*.py")
     }
     graph: dict[str, set[str]] = {}
     for module, path in files.items():
-        targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: set[str] = set()
+
+        def visit(node: ast.AST, targets: set[str] = targets) -> None:
+            if runtime_only and _type_checking(node):
+                for child in node.orelse:
+                    visit(child)
+                return
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 targets.add(node.module)
                 targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+            for child in ast.iter_child_nodes(node):
+                visit(child)
+
+        visit(ast.parse(path.read_text(), str(path)))
         graph[module] = {t for t in targets if t in files and t != module}
     return graph
 
@@ -136,3 +156,59 @@ def test_worker_rooms_import_down():
     }
     assert {m: t for m, t in upward.items() if t} == {}
     assert worker_room("worker.engine") == 0 and worker_room("worker.kernels.build") == 4
+
+
+# router's rooms, bottom up: routing/ (no transport: the simulator runs it), the leaves,
+# backends/, dispatch.py, router.py, and api/ on top. A room -> the modules it may import at
+# run time (a name and everything below it); type-only imports do not run and do not count.
+ROUTER_LEAVES = ("router.config", "router.metrics", "router.errors", "router.tokenizer",
+                 "router.job")
+ROUTER_ROOMS = {
+    "router.routing": ("router.routing",),
+    **{leaf: ("router.routing",) for leaf in ROUTER_LEAVES},
+    "router.backends": ("router.backends", "router.routing", *ROUTER_LEAVES),
+    "router.dispatch": ("router.backends", "router.routing", *ROUTER_LEAVES),
+    "router.router": ("router.dispatch", "router.backends", "router.routing", *ROUTER_LEAVES),
+}
+
+
+def router_upward(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """module -> the modules it imports that its room may not."""
+    upward = {
+        name: sorted(m for m in imports if not any(m == a or m.startswith(a + ".")
+                                                   for a in allowed))
+        for room, allowed in ROUTER_ROOMS.items()
+        for name, imports in graph.items()
+        if name == room or name.startswith(room + ".")
+    }
+    return {m: t for m, t in upward.items() if t}
+
+
+def test_router_rooms_import_down():
+    graph = module_graph("router", runtime_only=True)
+    assert "router.routing.core" in graph and "router.api.app" in graph
+    assert router_upward(graph) == {}
+
+
+def test_the_rooms_check_sees_an_upward_import_but_not_a_typing_one(tmp_path):
+    pkg = tmp_path / "router" / "routing"
+    pkg.mkdir(parents=True)
+    (tmp_path / "router" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from router.backends import Backend\n"
+        "if TYPE_CHECKING:\n"
+        "    from router.api import app\n"
+    )
+    (tmp_path / "router" / "backends.py").write_text(
+        "def f():\n    from router.routing.registry import WorkerState\n"
+    )
+    (tmp_path / "router" / "api.py").write_text("")
+    graph = module_graph("router", runtime_only=True, root=tmp_path)
+    assert graph["router.routing.registry"] == {"router.backends"}  # the typing one is left
+    assert router_upward(graph) == {"router.routing.registry": ["router.backends"]}
+    assert find_cycle(graph) == ["router.backends", "router.routing.registry", "router.backends"]
+    assert module_graph("router", root=tmp_path)["router.routing.registry"] == {
+        "router.backends", "router.api"
+    }
