@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,17 +50,20 @@ def start(port: int, send_timeout: float | None) -> subprocess.Popen:
     if send_timeout is not None:
         cmd += ["--send-timeout", str(send_timeout)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError("serve did not start")
+    os.killpg(proc.pid, signal.SIGTERM)
+    code = proc.wait(120)
+    raise RuntimeError(f"serve did not start (exit code {code}): {Path(log.name).read_text()}")
 
 
 def run_once(port: int, args: argparse.Namespace) -> dict:
