@@ -17,8 +17,19 @@ class RouterConfig:
     tokenizer: HF model directory whose tokenizer and chat template the router uses;
         None: `model` itself is taken as a directory.
     policy: routing policy name (`router.routing.policies.POLICY_NAMES`); `cost` is the default.
-    api_key: when set, every `/v1/*` request needs `Authorization: Bearer <api_key>`.
+    api_key: when set, inference (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+        `/v1/sessions/*`) needs `Authorization: Bearer <api_key>` (`router.api.access`).
+    admin_key: when set, the admin verbs (add, drain, remove workers) need
+        `Authorization: Bearer <admin_key>`; None: they answer loopback clients only. The
+        inference key never opens them.
+    metrics_public: `/metrics` and `GET /v1/workers` answer every client; False: the admin key
+        or a loopback client only.
     max_body_bytes: larger request bodies get 413.
+    body_timeout_s: a request body must arrive in full within this long of the headers, else
+        408 (the connection is closed). 0: no deadline.
+    send_timeout_s: a client that takes no byte of its response for this long (a stream it
+        stopped reading) is dropped: the request is aborted on its worker. 0: no deadline.
+    max_header_bytes: request headers larger than this in total get 431.
     max_context: context length in tokens (prompt + max_tokens); None: the smallest
         `max_context` the workers report, else the tokenizer's `model_max_length`, else 4096.
     max_n: the largest `n` (choices per request) accepted.
@@ -49,7 +60,12 @@ class RouterConfig:
     tokenizer: str | None = None
     policy: str = "cost"
     api_key: str | None = None
+    admin_key: str | None = None
+    metrics_public: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
     max_context: int | None = None
     max_n: int = 16
     default_chat_max_tokens: int = 1024

@@ -388,21 +388,28 @@ async def open_choices(job: Job, dispatcher: Dispatcher) -> list[Choice]:
     return list(results)
 
 
+MERGE_BUFFER = 8  # deltas per choice that may wait for a slow consumer before its pump waits
+
+
 async def merged(runs: list[Choice]) -> AsyncIterator[ChoiceDelta]:
-    """Deltas of all choices as they come; one choice needs no queue."""
+    """Deltas of all choices as they come; one choice needs no queue. The queue is bounded:
+    a consumer that stops (a client that reads nothing) stops the choices' pumps too, so the
+    router holds a few deltas per choice instead of the whole output."""
     if len(runs) == 1:
         async for delta in runs[0].deltas():
             yield delta
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(MERGE_BUFFER * len(runs))
 
     async def pump(run: Choice) -> None:
         try:
             async for delta in run.deltas():
                 await queue.put(delta)
+        except asyncio.CancelledError:
+            raise  # the consumer is gone: nothing waits for the end mark
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
             await queue.put(exc)
-        finally:
+        else:
             await queue.put(None)
 
     tasks = [asyncio.create_task(pump(r)) for r in runs]

@@ -79,6 +79,11 @@ class RouterMetrics:
         self.rejected = Counter(
             "radixray_rejected", "requests answered 429 at the concurrency limit", registry=r
         )
+        self.slow_readers = Counter(
+            "radixray_slow_readers",
+            "responses dropped after their client read nothing for the send timeout",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "radixray_in_flight", "generation requests in flight on this router", registry=r
         )
