@@ -210,6 +210,11 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                         help="overrides of the cost policy's CostConfig")
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
                         help="tokens per index block (default: the engines' block size)")
+    parser.add_argument("--kv-groups", default="all", choices=("all", "full"),
+                        help="which KV groups of a hybrid model (sliding-window, recurrent "
+                        "layers beside full attention) the index reads: all, to predict where "
+                        "a prefix can really resume; full, the full-attention group only, as "
+                        "routers blind to hybrid models do (default: %(default)s)")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
                         f"${API_KEY_ENV}); engines are called with the same key")
@@ -240,6 +245,7 @@ def build_app(args: argparse.Namespace) -> object:
     config = RouterConfig(
         model=args.model, tokenizer=str(resolve_model(args.model)), policy=args.policy,
         api_key=api_key, cost_config=args.cost_config or {},
+        kv_groups=args.kv_groups == "all",
     )
     block_size = args.block_size or engine_block_size([s.url for s in specs], args.wait_s)
     if block_size is not None:
