@@ -40,7 +40,7 @@ from mem_cache.events import (
     KVEvent,
 )
 from router.routing.index_store import TIERS, EntryStore, WorkerEntries
-from router.routing.kv_groups import expected_blocks, resume_blocks
+from router.routing.kv_groups import WorkerGroups, expected_blocks, resume_blocks
 
 
 @dataclass
@@ -270,6 +270,9 @@ class PrefixIndex:
                         worker.group_pending.pop((tier, h), None)
             elif isinstance(event, AllCleared):
                 store.clear(worker)
+                # a restarted engine may serve another model: its groups come with its blocks
+                worker.groups = WorkerGroups()
+                self._hybrid.pop(worker_id, None)
         store.enforce_bound()
 
     def _tier(self, worker: WorkerEntries, event: BlockStored | BlockRemoved) -> str | None:

@@ -244,3 +244,25 @@ def test_routing_guesses_the_groups_until_events_confirm():
     assert core.index.match(hashes, 1499 // BS, BS).device == {"w": 11}
     shared = prompt[:1200] + list(range(5000, 5300))
     assert core.index.match(block_hashes(shared, None, BS), 1499 // BS, BS).device == {}
+
+
+def test_our_engines_batches_with_groups_are_indexed_by_the_same_code():
+    """A radixray worker of a hybrid model tags its blocks with their group
+    (`mem_cache.events`); through the encoded batches the core reads, the index predicts the
+    same resume point as from vLLM's events, and a recurrent group needs a state exactly
+    there."""
+    from mem_cache.events import encode_batch
+
+    prompt = list(range(1500))
+    ours = block_hashes(prompt, None, BS)
+    state = KVGroup(1, RECURRENT)
+    full0 = KVGroup(0, FULL_ATTENTION)
+    core = RoutingCore("cost", clock=lambda: 0.0, block_size=BS)
+    core.add_worker("w")
+    events = [AllCleared(), BlockStored(ours, None, DEVICE, full0),
+              BlockStored(ours[5:6] + ours[10:11], None, DEVICE, state)]
+    assert core.apply_events(encode_batch("w", 0, 1, events))
+    assert core.index.match(ours, 1499 // BS, BS).device == {"w": 11}
+    assert core.index.match(ours[:9], 1151 // BS, BS).device == {"w": 6}  # the state at 6
+    assert core.apply_events(encode_batch("w", 0, 2, [BlockRemoved(ours[10:11], DEVICE, state)]))
+    assert core.index.match(ours, 1499 // BS, BS).device == {"w": 6}

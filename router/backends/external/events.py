@@ -92,7 +92,7 @@ class EngineEventStream:
     def purge(self, reason: str) -> None:
         """Forget everything the engine held (it restarted): a new epoch, an empty mirror."""
         self._count(reason)
-        self.mirror.clear()
+        self.mirror = EngineMirror(self.mirror.block_size)  # its groups too: another model?
         self.epoch += 1
         self.seq = 0
         self._batches.clear()
