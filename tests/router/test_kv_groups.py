@@ -266,3 +266,37 @@ def test_our_engines_batches_with_groups_are_indexed_by_the_same_code():
     assert core.index.match(ours[:9], 1151 // BS, BS).device == {"w": 6}  # the state at 6
     assert core.apply_events(encode_batch("w", 0, 2, [BlockRemoved(ours[10:11], DEVICE, state)]))
     assert core.index.match(ours, 1499 // BS, BS).device == {"w": 6}
+
+
+STATE = KVGroup(1, RECURRENT)
+MODEL_GROUPS = (FULL, SLIDING[0], STATE)
+_streams = [block_hashes([s] * 3 + list(range(12 * BS)), None, BS) for s in range(3)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(MODEL_GROUPS), st.integers(0, 2),
+                          st.integers(0, 11), st.integers(1, 12)), max_size=30),
+       st.integers(0, 2), st.integers(0, 12))
+def test_group_index_against_a_reference_model(steps, stream, limit):
+    """Random stores and removals per group on one worker; the index's match equals the
+    largest resume point of vLLM's rule over a plain model of what each group holds."""
+    index = PrefixIndex()
+    index.add_worker("w")
+    model: dict[KVGroup, set[int]] = {g: set() for g in MODEL_GROUPS}
+    for store, group, s, start, length in steps:
+        hashes = _streams[s][start:start + length]
+        if store:
+            model[group] |= set(hashes)
+            index.apply("w", [BlockStored(hashes, None, DEVICE, group)])
+        else:
+            model[group] -= set(hashes)
+            index.apply("w", [BlockRemoved(hashes, DEVICE, group)])
+    hashes = _streams[stream]
+    positions = {g: {i for i, h in enumerate(hashes) if h in model[g]} for g in MODEL_GROUPS}
+    # the groups the worker's events named; without a full-attention group, no full run binds
+    seen = {group for _, group, *_ in steps}
+    if seen <= {FULL}:  # full attention only: the whole run, as before (the estimate caps it)
+        seen, limit = {FULL}, len(hashes)
+    expected = max(n for n in range(limit + 1) if all(
+        reference_allows(g, positions[g], n, BS) for g in seen))
+    assert index.match(hashes, limit, BS).device.get("w", 0) == expected
