@@ -217,6 +217,11 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                         help="overrides of the cost policy's CostConfig")
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
                         help="tokens per index block (default: the engines' block size)")
+    parser.add_argument("--kv-groups", default="all", choices=("all", "full"),
+                        help="which KV groups of a hybrid model (sliding-window, recurrent "
+                        "layers beside full attention) the index reads: all, to predict where "
+                        "a prefix can really resume; full, the full-attention group only, as "
+                        "routers blind to hybrid models do (default: %(default)s)")
     add_access_args(parser)  # the engines are called with the API key too
     add_deadline_args(parser, RouterConfig.body_timeout_s, RouterConfig.send_timeout_s)
     parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS, metavar="N",
@@ -248,6 +253,7 @@ def build_app(args: argparse.Namespace) -> object:
         api_key=api_key, admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
         metrics_public=bool(args.metrics_public), body_timeout_s=args.body_timeout_s,
         send_timeout_s=args.send_timeout_s, cost_config=args.cost_config or {},
+        kv_groups=args.kv_groups == "all",
     )
     block_size = args.block_size or engine_block_size([s.url for s in specs], args.wait_s)
     if block_size is not None:

@@ -54,6 +54,9 @@ class RouterConfig:
     revive_s: how often a worker marked dead is probed to see whether it came back.
     session_ttl_s: idle lifetime of a session's KV on its worker.
     cost_config: overrides of the core's estimate and the `cost` terms (`cost_config`).
+    kv_groups: index every KV group of a hybrid model (sliding-window, recurrent) and predict
+        where a prefix can really resume; False: its full-attention group only, as routers
+        blind to hybrid models do (they over-predict; kept for comparison).
     """
 
     model: str = "tiny"
@@ -82,6 +85,7 @@ class RouterConfig:
     revive_s: float = 2.0
     session_ttl_s: float = 600.0
     cost_config: dict = field(default_factory=dict)
+    kv_groups: bool = True
 
 
 def cost_config(

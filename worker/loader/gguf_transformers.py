@@ -52,6 +52,9 @@ def convert_with_transformers(gguf_file: str | Path, arch: str, dest: str | Path
     config = model.config
     config.architectures = [ARCHITECTURES[arch]]
     config.dtype = torch.float32
+    # the weights written are plain float32: vLLM refuses a config that names GGUF quantization
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     config.save_pretrained(dest)
     GenerationConfig.from_model_config(config).save_pretrained(dest)
     if tokenizer.chat_template is None and arch == "gemma3":
