@@ -171,7 +171,13 @@ class Cluster:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for proc in self.ours():
+        procs = self.ours()
+        for raylet in (p for p in procs if p.name() == "raylet"):
+            try:
+                procs += raylet.children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+        for proc in procs:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -187,6 +193,8 @@ class Load:
 
     def __init__(self, url: str, clients: int, prefixes: int) -> None:
         self.url, self.clients = url, clients
+        self.model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        self.errors: dict[str, int] = {}
         self.prefixes = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(120))
                          for i in range(prefixes)]
         self.rows: list[tuple[float, float, bool, int, int, str]] = []
@@ -209,7 +217,7 @@ class Load:
             while not self.stop.is_set():
                 prefix = self.prefixes[(index + n) % len(self.prefixes)]
                 n += 1
-                body = {"model": "m", "max_tokens": 4, "temperature": 0,
+                body = {"model": self.model, "max_tokens": 4, "temperature": 0,
                         "messages": [{"role": "user", "content": f"{prefix} q{index}-{n}"}]}
                 t0 = time.monotonic()
                 try:
@@ -217,8 +225,11 @@ class Load:
                     ok = r.status_code == 200
                     usage = r.json().get("usage", {}) if ok else {}
                     worker = r.headers.get("x-radixray-worker", "")
-                except (httpx.HTTPError, ValueError):
-                    ok, usage, worker = False, {}, ""
+                    error = "" if ok else f"HTTP {r.status_code}"
+                except (httpx.HTTPError, ValueError) as exc:
+                    ok, usage, worker, error = False, {}, "", type(exc).__name__
+                if not ok:
+                    self.errors[error] = self.errors.get(error, 0) + 1
                     time.sleep(0.05)
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 self.rows.append((t0, time.monotonic(), ok, usage.get("prompt_tokens", 0),
@@ -231,25 +242,30 @@ def hit_rate(rows: list, lo: float, hi: float) -> float:
     return sum(r[4] for r in done) / prompt if prompt else 0.0
 
 
-def actor_ids(address: str) -> dict[str, str]:
-    """Live worker actors by name, from Ray's state API (through the GCS)."""
-    from ray.util.state import list_actors
-
-    out = {}
-    for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000):
-        if a.class_name == "WorkerActor":
-            out[a.name or a.actor_id] = a.actor_id
-    return out
+def actor_pids(cluster: Cluster) -> dict[str, list[int]]:
+    """The processes of the worker, fleet and router actors (children of this cluster's raylet,
+    titled `ray::<Class>...`): the same pids after the restart are the same actors, with their
+    models and KV caches."""
+    found: dict[str, list[int]] = {"WorkerActor": [], "FleetActor": [], "RouterActor": []}
+    for raylet in (p for p in cluster.ours() if p.name() == "raylet"):
+        for child in raylet.children(recursive=True):
+            try:
+                title = " ".join(child.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            for cls, pids in found.items():
+                if title.startswith(f"ray::{cls}"):
+                    pids.append(child.pid)
+    return {cls: sorted(pids) for cls, pids in found.items()}
 
 
 def one_run(args: argparse.Namespace) -> dict:
     cluster = Cluster(args.model, args.workers, args.kv_tokens)
     try:
         cluster.start()
-        gcs_address = f"127.0.0.1:{cluster.gcs_port}"
         before = {r["id"]: r for r in httpx.get(cluster.url + "/v1/workers", timeout=30)
                   .json()["data"]}
-        actors_before = actor_ids(gcs_address)
+        actors_before = actor_pids(cluster)
         load = Load(cluster.url, args.clients, args.prefixes)
         load.start()
         time.sleep(args.warm)
@@ -259,7 +275,7 @@ def one_run(args: argparse.Namespace) -> dict:
         rows = load.rows
         after = {r["id"]: r for r in httpx.get(cluster.url + "/v1/workers", timeout=30)
                  .json()["data"]}
-        actors_after = wait_until(lambda: actor_ids(gcs_address), 60, "the state API")
+        actors_after = actor_pids(cluster)
         failed = [r for r in rows if not r[2] and r[1] >= killed_at]
         last_fail = max((r[1] for r in failed), default=None)
         if last_fail is None:
@@ -280,15 +296,18 @@ def one_run(args: argparse.Namespace) -> dict:
             "requests_total": len(rows),
             "requests_after_kill": sum(1 for r in rows if r[1] >= killed_at),
             "requests_lost": len(failed),
+            "failed_before_kill": sum(1 for r in rows if not r[2] and r[1] < killed_at),
+            "errors": load.errors,
             "served_while_gcs_down": served_while_down,
             "recovery_s": round(recovery, 2),
             "slowest_request_across_outage_s": round(slowest, 2),
             "workers_before": sorted(before),
             "workers_kept": sorted(set(before) & set(after)),
             "restarts_after": {k: v.get("restarts") for k, v in after.items()},
-            "actor_ids_kept": sum(1 for k, v in actors_before.items()
-                                  if actors_after.get(k) == v),
-            "actors_before": len(actors_before),
+            "actor_pids_before": actors_before,
+            "actor_pids_after": actors_after,
+            "worker_actors_kept": len(set(actors_before["WorkerActor"])
+                                      & set(actors_after["WorkerActor"])),
             "hit_rate_before": round(hit_rate(rows, killed_at - args.window, killed_at), 3),
             "hit_rate_after": round(hit_rate(rows, rows[-1][1] - args.window, rows[-1][1]), 3),
             "worker_added_after_restart": added_ids,
@@ -322,7 +341,7 @@ def main() -> None:
         runs.append(result)
         print(f"run {i + 1}: " + json.dumps(result), flush=True)
     keys = ("requests_lost", "recovery_s", "slowest_request_across_outage_s",
-            "served_while_gcs_down", "actor_ids_kept", "hit_rate_before", "hit_rate_after",
+            "served_while_gcs_down", "worker_actors_kept", "hit_rate_before", "hit_rate_after",
             "add_worker_s")
     medians = {k: statistics.median(r[k] for r in runs) for k in keys}
     print("median: " + json.dumps(medians))
