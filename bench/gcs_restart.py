@@ -23,6 +23,7 @@ does); the load goes on for `--after` s. Printed, per run and as medians over `-
   (a new actor: needs the new GCS) becomes ready and serves.
 
     python bench/gcs_restart.py [--runs 3] [--down 5] [--after 30] [--json out.json]
+    python bench/gcs_restart.py --no-redis     # the control: the same without GCS FT
 
 Needs `redis-server` (Debian: apt install redis-server) and the `ray` command of this Python.
 Every process it starts is its own (a temporary Ray directory): it stops them by pid.
@@ -78,6 +79,7 @@ class Cluster:
     model: str
     workers: int
     kv_tokens: int
+    redis: bool = True  # False: no GCS fault tolerance (the control)
     procs: list[subprocess.Popen] = field(default_factory=list)
     tmp: str = ""
     redis_port: int = 0
@@ -122,8 +124,9 @@ class Cluster:
 
     def ray_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{self.redis_port}"
-        env["RAY_external_storage_namespace"] = "radixray-gcs-bench"
+        if self.redis:
+            env["RAY_REDIS_ADDRESS"] = f"127.0.0.1:{self.redis_port}"
+            env["RAY_external_storage_namespace"] = "radixray-gcs-bench"
         env.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "60")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         return env
@@ -163,14 +166,11 @@ class Cluster:
         return killed_at, new.pid
 
     def stop(self) -> None:
-        for proc in reversed(self.procs[1:]):  # serve, restarted GCS; redis last
+        # the whole private Ray goes: no graceful stop of the fleet is needed
+        for proc in self.procs[1:]:  # serve, restarted GCS; redis last
             if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in self.procs[1:]:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
                 proc.kill()
+            proc.wait(30)
         procs = self.ours()
         for raylet in (p for p in procs if p.name() == "raylet"):
             try:
@@ -260,9 +260,11 @@ def actor_pids(cluster: Cluster) -> dict[str, list[int]]:
 
 
 def one_run(args: argparse.Namespace) -> dict:
-    cluster = Cluster(args.model, args.workers, args.kv_tokens)
+    cluster = Cluster(args.model, args.workers, args.kv_tokens, redis=not args.no_redis)
+    t_start = time.monotonic()
     try:
         cluster.start()
+        start_s = time.monotonic() - t_start
         before = {r["id"]: r for r in httpx.get(cluster.url + "/v1/workers", timeout=30)
                   .json()["data"]}
         actors_before = actor_pids(cluster)
@@ -273,8 +275,11 @@ def one_run(args: argparse.Namespace) -> dict:
         time.sleep(args.after)
         load.finish()
         rows = load.rows
-        after = {r["id"]: r for r in httpx.get(cluster.url + "/v1/workers", timeout=30)
-                 .json()["data"]}
+        try:
+            after = {r["id"]: r for r in httpx.get(cluster.url + "/v1/workers", timeout=30)
+                     .json()["data"]}
+        except httpx.HTTPError:
+            after = {}  # the router is gone
         actors_after = actor_pids(cluster)
         failed = [r for r in rows if not r[2] and r[1] >= killed_at]
         last_fail = max((r[1] for r in failed), default=None)
@@ -282,15 +287,21 @@ def one_run(args: argparse.Namespace) -> dict:
             recovery = 0.0
         else:
             recovered = [r[1] for r in rows if r[2] and r[0] >= last_fail]
-            recovery = (min(recovered) - killed_at) if recovered else float("inf")
+            recovery = (min(recovered) - killed_at) if recovered else None  # never
         up_at = killed_at + args.down
         during = [r for r in rows if r[0] <= up_at and r[1] >= killed_at and r[2]]
         slowest = max((r[1] - max(r[0], killed_at) for r in during), default=0.0)
         served_while_down = sum(1 for r in rows if r[2] and killed_at <= r[1] < up_at)
         # the fleet takes orders through the new GCS: one worker more, ready and serving
         t0 = time.monotonic()
-        added = httpx.post(cluster.url + "/v1/workers", json={"count": 1}, timeout=600)
-        added_ids = added.json().get("added", []) if added.status_code == 200 else []
+        add_error = ""
+        try:
+            added = httpx.post(cluster.url + "/v1/workers", json={"count": 1}, timeout=300)
+            added_ids = added.json().get("added", []) if added.status_code == 200 else []
+            if added.status_code != 200:
+                add_error = f"HTTP {added.status_code}: {added.text[:300]}"
+        except (httpx.HTTPError, ValueError) as exc:
+            added_ids, add_error = [], repr(exc)
         add_s = time.monotonic() - t0
         result = {
             "requests_total": len(rows),
@@ -299,11 +310,10 @@ def one_run(args: argparse.Namespace) -> dict:
             "failed_before_kill": sum(1 for r in rows if not r[2] and r[1] < killed_at),
             "errors": load.errors,
             "served_while_gcs_down": served_while_down,
-            "recovery_s": round(recovery, 2),
+            "recovery_s": None if recovery is None else round(recovery, 2),
             "slowest_request_across_outage_s": round(slowest, 2),
             "workers_before": sorted(before),
             "workers_kept": sorted(set(before) & set(after)),
-            "restarts_after": {k: v.get("restarts") for k, v in after.items()},
             "actor_pids_before": actors_before,
             "actor_pids_after": actors_after,
             "worker_actors_kept": len(set(actors_before["WorkerActor"])
@@ -312,6 +322,8 @@ def one_run(args: argparse.Namespace) -> dict:
             "hit_rate_after": round(hit_rate(rows, rows[-1][1] - args.window, rows[-1][1]), 3),
             "worker_added_after_restart": added_ids,
             "add_worker_s": round(add_s, 1),
+            "add_worker_error": add_error,
+            "cluster_start_s": round(start_s, 1),
         }
         return result
     finally:
@@ -330,6 +342,8 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=30.0, help="seconds of load after")
     parser.add_argument("--window", type=float, default=5.0, help="hit-rate window (s)")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--no-redis", action="store_true",
+                        help="the control: a head without an external Redis (no GCS FT)")
     parser.add_argument("--json", help="write the runs and medians here")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -343,7 +357,10 @@ def main() -> None:
     keys = ("requests_lost", "recovery_s", "slowest_request_across_outage_s",
             "served_while_gcs_down", "worker_actors_kept", "hit_rate_before", "hit_rate_after",
             "add_worker_s")
-    medians = {k: statistics.median(r[k] for r in runs) for k in keys}
+    medians = {}
+    for k in keys:
+        values = [r[k] for r in runs if r[k] is not None]
+        medians[k] = statistics.median(values) if len(values) == len(runs) else None
     print("median: " + json.dumps(medians))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs,

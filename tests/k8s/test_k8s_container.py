@@ -3,7 +3,7 @@
 and the API key taken from the container's environment (as the manifests pass the Secret).
 
 Needs podman and the image `radixray:cpu` (`BASE_IMAGE=debian k8s/build-image.sh cpu`; CI
-builds it); skips, saying which is missing, elsewhere.
+builds it); skips, saying which is missing, elsewhere, and fails in CI.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import socket
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -22,13 +24,13 @@ IMAGE = os.environ.get("RADIXRAY_TEST_IMAGE", "localhost/radixray:cpu")
 KEY = "test-key-" + uuid.uuid4().hex[:8]
 
 
-def _podman() -> str:
+def _podman(kube: Any) -> str:
     podman = shutil.which("podman")
     if podman is None:
-        pytest.skip("podman is not installed (k8s/host-setup.sh installs it)")
+        kube.skip_or_fail("podman is not installed (k8s/host-setup.sh installs it)")
     found = subprocess.run([podman, "image", "exists", IMAGE], capture_output=True)
     if found.returncode != 0:
-        pytest.skip(f"image {IMAGE} not built: BASE_IMAGE=debian k8s/build-image.sh cpu")
+        kube.skip_or_fail(f"image {IMAGE} not built: BASE_IMAGE=debian k8s/build-image.sh cpu")
     return podman
 
 
@@ -39,8 +41,8 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def container() -> str:
-    podman = _podman()
+def container(kube: Any) -> Iterator[str]:
+    podman = _podman(kube)
     name, port = f"radixray-test-{uuid.uuid4().hex[:8]}", _free_port()
     subprocess.run(
         [podman, "run", "-d", "--name", name, "--shm-size=1g",

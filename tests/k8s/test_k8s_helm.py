@@ -32,10 +32,10 @@ def _values_files(kube: Any) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def helm() -> str:
+def helm(kube: Any) -> str:
     found = os.environ.get("RADIXRAY_HELM") or shutil.which("helm")
     if not found:
-        pytest.skip("helm not found: k8s/get-helm.sh puts one in the virtual environment")
+        kube.skip_or_fail("helm not found: k8s/get-helm.sh puts one in the virtual environment")
     return found
 
 
