@@ -105,12 +105,15 @@ class Cluster:
         wait_until(self._redis_ping, 20, "redis-server")
         env = self.ray_env()
         ray = str(Path(sys.executable).with_name("ray"))
-        subprocess.run(
+        started = subprocess.run(
             [ray, "start", "--head", "--port", str(self.gcs_port), "--temp-dir", self.tmp,
              "--num-cpus", str(self.workers + 1), "--include-dashboard=false",
              "--disable-usage-stats"],
-            env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            env=env, capture_output=True, text=True,
         )
+        if started.returncode != 0:
+            raise RuntimeError(f"ray start failed:\n{started.stdout[-2000:]}"
+                               f"{started.stderr[-2000:]}")
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "cluster.cli", "serve", "--model", self.model,
              "--workers", str(self.workers), "--device", "cpu", "--kv-tokens",
