@@ -201,3 +201,25 @@ def test_monitoring_can_be_left_out(helm: str, kube: Any) -> None:
     resources = _template(helm, kube, "--set", "monitoring.podMonitor.enabled=false",
                           "--set", "monitoring.grafanaDashboard.enabled=false")
     assert [r["kind"] for r in resources] == ["RayService"]
+
+
+def test_values_schema_enums_are_the_code_s(kube: Any) -> None:
+    import json
+
+    schema = json.loads((_chart(kube) / "values.schema.json").read_text())["properties"]
+    policies = kube.import_or_skip("router.routing.policies")
+    assert set(schema["policy"]["enum"]) == set(policies.POLICY_NAMES)
+    import argparse
+
+    cli = kube.import_or_skip("cluster.cli")
+    (subparsers,) = [a for a in cli.build_parser()._actions
+                     if isinstance(a, argparse._SubParsersAction)]
+    serve = subparsers.choices["serve"]
+    choices = {opt: a.choices for a in serve._actions for opt in a.option_strings}
+    assert set(schema["engine"]["enum"]) == set(choices["--engine"])
+    assert set(schema["device"]["enum"]) == set(choices["--device"])
+
+def test_values_outside_the_schema_are_refused(helm: str, kube: Any) -> None:
+    for bad in ("engine=sglang", "policy=fastest", "kind=Deployment", "workers=0"):
+        out = _run(helm, "template", "radixray", str(_chart(kube)), "--set", bad)
+        assert out.returncode != 0 and "schema" in out.stderr, (bad, out.stderr)
