@@ -1,6 +1,7 @@
 """The CPU image answers: `radixray serve --model tiny` in a container, its port published on
 127.0.0.1, a chat request from the host, the answer and the `X-Radixray-Worker` header checked,
-and the API key taken from the container's environment (as the manifests pass the Secret).
+and the API and admin keys taken from the container's environment (as the manifests pass the
+Secrets).
 
 Needs podman and the image `radixray:cpu` (`BASE_IMAGE=debian k8s/build-image.sh cpu`); skips,
 saying which is missing, elsewhere. CI builds the image and sets RADIXRAY_REQUIRE_IMAGE=1, and
@@ -23,6 +24,7 @@ import pytest
 
 IMAGE = os.environ.get("RADIXRAY_TEST_IMAGE", "localhost/radixray:cpu")
 KEY = "test-key-" + uuid.uuid4().hex[:8]
+ADMIN = "test-admin-" + uuid.uuid4().hex[:8]
 
 
 def _podman(kube: Any) -> str:
@@ -51,6 +53,7 @@ def container(kube: Any) -> Iterator[str]:
     subprocess.run(
         [podman, "run", "-d", "--name", name, "--shm-size=1g",
          "-p", f"127.0.0.1:{port}:8000", "-e", f"RADIXRAY_API_KEY={KEY}",
+         "-e", f"RADIXRAY_ADMIN_KEY={ADMIN}",
          IMAGE, "radixray", "serve", "--model", "tiny", "--host", "0.0.0.0", "--port", "8000"],
         check=True, capture_output=True, timeout=120,
     )
@@ -88,7 +91,8 @@ def test_container_answers_a_chat_request_from_the_host(container: str) -> None:
     assert choice["finish_reason"] in ("length", "stop")
     assert 1 <= answer["usage"]["completion_tokens"] <= 8
     assert answer["model"] == "tiny"
-    workers = httpx.get(container + "/v1/workers", headers=auth, timeout=30).json()["data"]
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    workers = httpx.get(container + "/v1/workers", headers=admin, timeout=30).json()["data"]
     ids = {w["id"] for w in workers}
     assert len(ids) == 2  # `radixray serve`'s default on CPU
     assert r.headers["X-Radixray-Worker"] in ids
@@ -108,3 +112,11 @@ def test_container_takes_its_api_key_from_the_environment(container: str) -> Non
                        headers={"Authorization": "Bearer not-the-key"})
     assert wrong.status_code == 401
     assert httpx.get(container + "/health", timeout=30).status_code == 200  # no key needed
+    # the host is not a loopback client of the container: observing and the admin verbs need
+    # the admin key, which the inference key does not replace
+    api = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(container + "/v1/workers", headers=api, timeout=30).status_code in (401, 403)
+    assert httpx.post(container + "/v1/workers", headers=api, json={"count": 1},
+                      timeout=30).status_code in (401, 403)
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.get(container + "/v1/workers", headers=admin, timeout=30).status_code == 200

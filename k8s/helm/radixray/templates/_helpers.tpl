@@ -32,6 +32,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "kv_tokens" $v.kvTokens -}}
 {{- $_ := set $args "page_size" $v.pageSize -}}
 {{- $_ := set $args "router_replicas" $v.routerReplicas -}}
+{{- $_ := set $args "metrics_public" $v.metricsPublic -}}
 {{- range $key, $value := $v.extraArgs -}}
 {{- if has $key (list "api_key" "admin_key") -}}
 {{- fail (printf "extraArgs.%s: keys come from Secrets (apiKey, adminKey), never from values" $key) -}}
@@ -52,6 +53,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf " --device %s --policy %s" $v.device $v.policy }}
 {{- if not (kindIs "invalid" $v.kvTokens) }}{{ printf " --kv-tokens %v" $v.kvTokens }}{{ end }}
 {{- printf " --page-size %v --routers %v" $v.pageSize $v.routerReplicas }}
+{{- if $v.metricsPublic }} --metrics-public{{ end }}
 {{- end -}}
 
 {{/* env of the head container: the router's keys, from Secrets. */}}
