@@ -22,7 +22,14 @@ def dockerfile(request: pytest.FixtureRequest, kube: Any) -> list[tuple[str, str
 
 def test_image_follows_ray_conventions(dockerfile: list) -> None:
     froms = [a for i, a in dockerfile if i == "FROM"]
-    assert len(froms) == 1 and froms[0].startswith("rayproject/ray:${RAY_VERSION}-py311-")
+    assert froms == ["${BASE_IMAGE}"]  # a build argument: Ray's image unless told otherwise
+    args = [a for i, a in dockerfile if i == "ARG"]
+    base = next(a.split("=", 1)[1] for a in args if a.startswith("BASE_IMAGE="))
+    assert base.startswith("rayproject/ray:${RAY_VERSION}-py311-")
+    # RAY_VERSION is declared again after FROM, so the pinned Ray below sees it
+    assert args.index("RAY_VERSION") > args.index(f"BASE_IMAGE={base}")
+    runs = " ".join(a for i, a in dockerfile if i == "RUN")
+    assert '"ray[serve]==${RAY_VERSION}"' in runs
     assert ("USER", "ray") in dockerfile
     (cmd,) = [json.loads(a) for i, a in dockerfile if i == "CMD"]
     assert cmd[:2] == ["ray", "start"]
@@ -42,8 +49,10 @@ def test_image_entry_program_and_flags_exist(dockerfile: list) -> None:
 def test_image_pins_torch(kube: Any) -> None:
     cpu = (kube.K8S / "Dockerfile.cpu").read_text()
     cuda = (kube.K8S / "Dockerfile.cuda").read_text()
-    assert re.search(r"pip install .*torch==2\.13\.0 .*download\.pytorch\.org/whl/cpu", cpu)
-    assert re.search(r"pip install .*torch==2\.13\.0 ", cuda) and "whl/cpu" not in cuda
+    for text in (cpu, cuda):
+        assert re.search(r"pip install .*torch==2\.13\.0 --index-url \$\{TORCH_INDEX_URL\}", text)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", cpu, re.M)
+    assert re.search(r"^ARG TORCH_INDEX_URL=https://pypi\.org/simple$", cuda, re.M)
 
 
 def test_image_copies_every_package_and_pregenerates_tiny(dockerfile: list, kube: Any) -> None:

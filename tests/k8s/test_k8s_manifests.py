@@ -138,12 +138,14 @@ def test_serve_config_is_a_valid_ray_serve_config(rendered: dict, kube: Any) -> 
         assert config.http_options.port == 8000
 
 
-def test_api_key_comes_from_a_secret(overlay: str, rendered: dict, kube: Any) -> None:
+def test_api_and_admin_keys_come_from_secrets(overlay: str, rendered: dict, kube: Any) -> None:
     head = kube.head_container(_ray_resource(kube, rendered[overlay]))
     env = {e["name"]: e for e in head.get("env", [])}
-    ref = env["RADIXRAY_API_KEY"]["valueFrom"]["secretKeyRef"]
-    assert ref["name"] == "radixray-api-key" and ref["key"] == "api-key"
-    assert ref["optional"] is (not overlay.startswith("gpu"))  # production requires a key
+    for name, secret, key in (("RADIXRAY_API_KEY", "radixray-api-key", "api-key"),
+                              ("RADIXRAY_ADMIN_KEY", "radixray-admin-key", "admin-key")):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret and ref["key"] == key
+        assert ref["optional"] is (not overlay.startswith("gpu"))  # production requires keys
 
 
 def _port_names(container: dict[str, Any]) -> dict[str, int]:
