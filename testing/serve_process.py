@@ -17,7 +17,8 @@ import time
 
 import psutil
 
-TITLES = {"fleet": "ray::FleetActor", "worker": "ray::WorkerActor", "router": "ray::RouterActor"}
+# the actor class in a Ray process's title (`ray::[name:]Class[.method]`)
+TITLES = {"fleet": "FleetActor", "worker": "WorkerActor", "router": "RouterActor"}
 
 
 def serve_command() -> list[str]:
@@ -66,7 +67,8 @@ class ServeProcess:
         found = []
         for p in self.descendants():
             try:
-                if " ".join(p.cmdline()).startswith(title) and p.status() != "zombie":
+                command = " ".join(p.cmdline())
+                if command.startswith("ray::") and title in command and p.status() != "zombie":
                     found.append((p.create_time(), p.pid))
             except psutil.Error:
                 continue

@@ -139,6 +139,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending: list[TokenChunk] = []  # chunks for the next step() to return
         self._prefill_tps = 0.0
+        self._prefill_measured = 0  # prompt tokens `_prefill_tps` was measured over
         self._decode_step_s = 0.0
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests, all steps
@@ -215,7 +216,7 @@ class Engine:
             self.memory.radix.take_events()
         self.events = EventLog(self.worker_id)
         self._prefill_tps = self._decode_step_s = 0.0
-        self.num_steps = self.num_computed_tokens = 0
+        self.num_steps = self.num_computed_tokens = self._prefill_measured = 0
         self.check_integrity()
 
     # --- stepping ------------------------------------------------------------------------------
@@ -329,6 +330,7 @@ class Engine:
             # samples by size so such steps cannot drag the measured speed down.
             weight = 0.2 * min(1.0, prefill_tokens / 256)
             self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(net, 1e-9), weight)
+            self._prefill_measured += prefill_tokens
         else:
             self._decode_step_s = _ema(self._decode_step_s, seconds)
 
@@ -375,6 +377,7 @@ class Engine:
             waiting_prefill_tokens=self.scheduler.waiting_prefill_tokens(),
             running_decode_tokens=self.scheduler.running_decode_tokens(),
             prefill_tokens_per_s=self._prefill_tps,
+            prefill_tokens_measured=self._prefill_measured,
             decode_step_s=self._decode_step_s,
             sessions=len(self.sessions),
             page_size=self.config.page_size,

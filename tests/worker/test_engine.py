@@ -74,6 +74,7 @@ def test_warm_up_leaves_no_trace(reference, host_kv_tokens):
     s = engine.stats()
     assert (s.kv_free, s.kv_evictable, s.kv_host_free) == (s.kv_total, 0, s.kv_host_total)
     assert (s.prefill_tokens_per_s, s.decode_step_s, engine.num_steps) == (0.0, 0.0, 0)
+    assert s.prefill_tokens_measured == 0
     assert engine.take_event_batch() is None
     snapshot = decode_batch(engine.snapshot_batch())
     assert [type(e) for e in snapshot.events] == [AllCleared]
@@ -252,6 +253,7 @@ def test_stats_report_load_and_kv_accounting():
     run_to_completion(engine, after_step=checked)
     s = engine.stats()
     assert s.prefill_tokens_per_s > 0 and s.decode_step_s > 0
+    assert s.prefill_tokens_measured == 120  # every prompt token, measured once
     assert_idle_clean(engine)
 
 
