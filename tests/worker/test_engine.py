@@ -275,3 +275,15 @@ def test_cuda_engine_cache_and_chunking_do_not_change_greedy_output(page_size):
     for tag in ("a", "b"):
         out = run(engine, ps, greedy(), tag)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+
+
+def test_a_short_first_prefill_does_not_set_the_speed():
+    """The prefill speed is a weighted mean of steps weighted by their size: a first step of 10
+    tokens (mostly fixed overhead: 833 tokens/s) gives way to the first full step (50,000)."""
+    engine = make()
+    engine._measure(0.012, 10)
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(10 / 0.012)
+    engine._measure(0.01, 500)
+    s = engine.stats()
+    assert s.prefill_tokens_per_s > 0.95 * 50_000
+    assert s.prefill_tokens_measured == 510
