@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_short_chaos_soak_keeps_every_promise(tmp_path):
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--seconds", "45", "--seed", "7",
-         "--first-fault", "5", "--gap-min", "10", "--gap-max", "13", "--json", str(out)],
+        [sys.executable, str(ROOT / "bench" / "chaos.py"), "--seconds", "38", "--seed", "7",
+         "--first-fault", "4", "--gap-min", "9", "--gap-max", "11", "--json", str(out)],
         capture_output=True, text=True, timeout=540, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )

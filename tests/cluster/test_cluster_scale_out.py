@@ -77,7 +77,7 @@ def test_a_worker_added_under_load_takes_its_share(helpers):
         assert "worker-1" in first_short
         cold = {r["id"]: round(r["prefill_tokens_per_s"]) for r in helpers.workers_json(url)}
         resumed = time.monotonic()
-        run_load(url, 12, served, 100)
+        run_load(url, 8, served, 100)
         rows = {r["id"]: round(r["prefill_tokens_per_s"]) for r in helpers.workers_json(url)}
     finally:
         code = serve.stop()
