@@ -78,7 +78,7 @@ class FleetLink:
         while True:
             try:
                 version, members = await self.fleet.changes.remote(self.version, CHANGES_POLL_S)
-            except RayActorError as exc:
+            except (RayActorError, RayTaskError) as exc:  # away, or restarting
                 log.warning("the fleet does not answer: %s", type(exc).__name__)
                 await asyncio.sleep(FLEET_RETRY_S)
                 continue
