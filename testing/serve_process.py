@@ -1,8 +1,9 @@
 """`radixray serve` as a real process tree, for the fault tests and the chaos soak.
 
 `ServeProcess` starts the command in its own session (a shell's foreground job), collects its
-output, and finds its Ray processes by their titles (`ray::FleetActor`, `ray::WorkerActor`,
-`ray::RouterActor`): the ones a fault schedule kills and whose memory it reads.
+output, and finds its Ray processes by the actor class in their titles (`ray::...FleetActor`,
+`WorkerActor`, `RouterActor`; a named actor's title holds its name too): the ones a fault
+schedule kills and whose memory it reads.
 """
 
 from __future__ import annotations
