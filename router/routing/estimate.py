@@ -52,9 +52,12 @@ class EstimateConfig:
     speed_noise: float = 0.25
     # a prefill speed more than this many times off the fleet's median, measured over fewer
     # than `speed_trust_tokens` of the worker's own traffic, counts as the median
-    # (`speeds.peer_checked`: a worker added live under load measures a crowded moment)
+    # (`speeds.peer_checked`: a worker added live under load measures a crowded moment). 32k:
+    # some 60 full prefill steps, over which the engine's weighted mean has forgotten its first
+    # ones; at 8k a new worker on a loaded 2-core machine was trusted at a third of its peer's
+    # speed after 17 requests, and got none again
     speed_outlier: float = 3.0
-    speed_trust_tokens: int = 8192
+    speed_trust_tokens: int = 32768
     # the same for the decode step. It also differs with each worker's batch (size, context),
     # and a narrower band (0.1) lets a worker decoding long contexts be seen to prefill slower
     # (Mooncake matrix: better), but then stale reports stack chat sessions (docs/router.md)
