@@ -1,4 +1,5 @@
-"""Routers side by side in front of the same two real vLLM engines (SmolLM2-135M-Instruct).
+"""Routers side by side in front of the same two real vLLM engines (SmolLM2-135M-Instruct, or
+any model vLLM serves: Gemma 3 270M, a hybrid of sliding-window and full attention).
 
     RADIXRAY_VLLM_PYTHON=/work/vllm-venv/bin/python python bench/route_vs_peers.py \\
         --model /work/models/smollm2-135m-instruct --vllm-router /path/to/venv/bin/vllm-router \\
@@ -9,17 +10,20 @@ One router at a time: `radixray route` (KV events on, policy `cost`), `sglang-ro
 on the engines' KV events, relayed to tcp: it takes no ipc endpoint; both skipped without
 --vllm-router), round robin (`radixray route --policy round_robin`) and, with --base-tree,
 `radixray-base` (another checkout's `radixray route`: a change side by side with the code it
-changes) and, with --variant NAME=JSON, `radixray route --cost-config JSON` as router NAME, each
-on the shared-prefix workload and a Mooncake-trace slice. With --repeat the routers take turns
-within each round and the figures are medians. With --seeds the shared-prefix workload is drawn
-once per seed (prompt order and arrival times: one order alone can favour one router) and the
-mean over seeds is printed last. The engines are warmed up once and their prefix
+changes), `radixray-full` (`radixray route --kv-groups full`: the index reads a hybrid model's
+full-attention group only) and, with --variant NAME=JSON, `radixray route --cost-config JSON` as
+router NAME, each on the shared-prefix workload, multi-turn chat (`chat`) and a Mooncake-trace
+slice. radixray's runs also report its false hits (`radixray_false_hits`: routed for a predicted
+hit of a block or more that the engine reported as 0 cached tokens). With --repeat the routers
+take turns within each round and the figures are medians. With --seeds the shared-prefix
+workload is drawn once per seed (prompt order and arrival times: one order alone can favour one
+router) and the mean over seeds is printed last. The engines are warmed up once and their prefix
 caches reset before every run (vLLM dev mode's `/reset_prefix_cache`). Figures: hit rate from
-vLLM's own `cached_tokens`, TTFT mean / p99, throughput, requests per engine (from each
-engine's `vllm:request_success_total`), and the router's CPU seconds over the run (its process
-and children: the engines share the machine's cores with it). Every process binds 127.0.0.1
-(the engines' event sockets are ipc). radixray's routing decisions are logged in the run's log
-folder (KIND.log).
+vLLM's own `cached_tokens`, TTFT mean / p99, throughput, requests per engine (from each engine's
+`vllm:request_success_total`), and the router's CPU seconds over the run (its process and
+children: the engines share the machine's cores with it). Every process binds 127.0.0.1 (the
+engines' event sockets are ipc). radixray's routing decisions are logged in the run's log folder
+(KIND.log).
 """
 
 from __future__ import annotations
@@ -44,13 +48,20 @@ from cluster.loadgen.client import Target
 from cluster.loadgen.prompts import BenchRequest, bench_requests
 from cluster.loadgen.report import summarize
 from cluster.loadgen.runner import RunConfig, run
-from cluster.sim.workloads import SharedPrefixConfig, generated_shared_prefix, trace_workload
+from cluster.sim.workloads import (
+    ChatConfig,
+    SharedPrefixConfig,
+    generated_shared_prefix,
+    multi_turn_chat,
+    trace_workload,
+)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "vllm"))
 from live_router_compare import wait_http  # noqa: E402  (bench/, the script's folder)
 from vllm_server import BLOCK, VllmServer, add_dtype_argument, free_port  # noqa: E402
 
 HOST = "127.0.0.1"
+RADIXRAY = ("radixray", "radixray-base", "radixray-full", "round_robin")
 TRACE = Path(__file__).parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl.gz"
 
 
@@ -105,6 +116,22 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def router_hits(port: int) -> dict:
+    """radixray's own count of its predictions: false hits, predicted and reported cached
+    tokens (summed over its workers)."""
+    with urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    names = {"radixray_false_hits_total": "false_hits",
+             "radixray_worker_cached_tokens_predicted_total": "predicted_tokens",
+             "radixray_worker_cached_tokens_actual_total": "actual_tokens"}
+    out = dict.fromkeys(names.values(), 0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                out[names[sample.name]] += int(sample.value)
+    return out
+
+
 def reset_caches(engines: list[VllmServer]) -> None:
     for engine in engines:
         request = urllib.request.Request(engine.url + "/reset_prefix_cache", b"", method="POST")
@@ -113,9 +140,11 @@ def reset_caches(engines: list[VllmServer]) -> None:
 
 def router_command(kind: str, port: int, engines: list[VllmServer], args) -> list[str]:
     urls = [e.url for e in engines]
-    if kind in ("radixray", "radixray-base", "round_robin") or kind in args.variants:
+    if kind in RADIXRAY or kind in args.variants:
         policy = "round_robin" if kind == "round_robin" else "cost"
         variant = ["--cost-config", args.variants[kind]] if kind in args.variants else []
+        if kind == "radixray-full":
+            variant += ["--kv-groups", "full"]
         if kind != "radixray-base":  # another checkout may not have the flag
             variant += ["--log-level", "debug"]
         return [sys.executable, "-m", "cluster.cli", "route", "--model", args.model,
@@ -177,6 +206,7 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
         cpu_before = cpu_seconds(proc.pid)
         outcomes, wall = asyncio.run(run(target, requests, RunConfig(), progress=False))
         router_cpu_s = cpu_seconds(proc.pid) - cpu_before
+        hits = router_hits(port) if kind in RADIXRAY or kind in args.variants else {}
     finally:
         proc.terminate()
         proc.wait(30)
@@ -186,6 +216,7 @@ def run_one(kind: str, engines: list[VllmServer], requests: list[BenchRequest], 
     # a request vLLM preempts for KV room gives its blocks up and recomputes them later
     summary["preemptions"] = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     summary["router_cpu_s"] = round(router_cpu_s, 2)
+    summary.update(hits)
     # each request in the order sent, to find a tail request in radixray's decision log
     summary["per_request"] = [
         {"start_s": round(o.start_s, 3), "ttft_s": round(o.ttft_s, 3), "id": o.request_id,
@@ -203,6 +234,11 @@ def workloads(args) -> dict[str, list[BenchRequest]]:
     for seed in seeds:  # the seed orders the prompts and draws their arrival times
         name = "shared-prefix" if seeds == [0] else f"shared-prefix/seed{seed}"
         out[name] = bench_requests(generated_shared_prefix(shared, seed), args.words_per_block, 16)
+    if "chat" in args.workloads:
+        chat = ChatConfig(sessions=args.chat_sessions, turns=args.chat_turns,
+                          system_prompt_len=args.chat_system_len, user_len=args.chat_user_len,
+                          output_len=16, session_rate=args.chat_rate, think_s=args.chat_think_s)
+        out["chat"] = bench_requests(multi_turn_chat(chat, 0), args.words_per_block, 16)
     if TRACE.exists() and "mooncake" in args.workloads:
         trace = trace_workload(str(TRACE), args.trace_speed, 0, args.trace_limit)
         # requests longer than the engines' context would only be refused
@@ -226,6 +262,7 @@ def medians(summaries: list[dict]) -> dict:
         "throughput_rps": med([s["throughput_rps"] for s in summaries]),
         "router_cpu_s": med([s.get("router_cpu_s") for s in summaries]),
         "preemptions": med([s.get("preemptions") for s in summaries]),
+        "false_hits": med([s.get("false_hits") for s in summaries]),
         # busier engine first: the split, not which engine, is the figure
         "requests_per_engine": [med(list(c)) for c in zip(*per_engine, strict=True)],
     }
@@ -253,10 +290,11 @@ def line(kind: str, s: dict) -> str:
     t = s["ttft"]
     mean = "-" if t["mean"] is None else f"{t['mean'] * 1e3:8.0f}"
     p99 = "-" if t["p99"] is None else f"{t['p99'] * 1e3:8.0f}"
+    false = "" if s.get("false_hits") is None else f"  false hits {s['false_hits']:g}"
     return (f"{kind:<15} ok {s['completed']:>4}/{s['requests']:<4} hit {s['hit_rate']:6.1%}  "
             f"ttft mean {mean} ms p99 {p99} ms  {s['throughput_rps']:5.2f} req/s  "
             f"per engine {s['requests_per_engine']}  router cpu {s.get('router_cpu_s') or 0:.2f} s"
-            f"  preempted {s.get('preemptions') or 0:g}")
+            f"  preempted {s.get('preemptions') or 0:g}{false}")
 
 
 def main() -> None:
@@ -282,6 +320,14 @@ def main() -> None:
                              "arrival times), each its own workload; with several, the mean "
                              "over seeds is printed last")
     parser.add_argument("--words-per-block", type=int, default=48)
+    parser.add_argument("--chat-sessions", type=int, default=8)
+    parser.add_argument("--chat-turns", type=int, default=4)
+    # chat lengths are the workload's tokens (128 per block of --words-per-block words)
+    parser.add_argument("--chat-system-len", type=int, default=512)
+    parser.add_argument("--chat-user-len", type=int, default=256)
+    parser.add_argument("--chat-rate", type=float, default=0.5, help="chat sessions/s")
+    parser.add_argument("--chat-think-s", type=float, default=4.0)
+    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--trace-limit", type=int, default=40)
     parser.add_argument("--trace-speed", type=float, default=1.0)
     # a trace block (512 tokens) becomes this many pseudo-words (~2 tokens each): it must stay
@@ -304,7 +350,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="route_vs_peers-"))
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
     engines = [VllmServer(python, Path(args.model), root / f"vllm{i}.log",
-                          kv_blocks=args.kv_blocks, max_model_len=4096, dtype=args.dtype)
+                          kv_blocks=args.kv_blocks, max_model_len=args.max_model_len,
+                          dtype=args.dtype)
                for i in range(2)]
     print(f"two vLLM engines, {args.dtype}; logs in {root}", flush=True)
     results: dict = {"settings": dict(vars(args)), "logs": str(root)}

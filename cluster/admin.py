@@ -1,7 +1,8 @@
 """`radixray workers list|add|drain|remove --url URL`: live scaling through the router's admin API.
 
-The router app exposes the admin endpoints (behind the API key when one is set); this module
-is only their command-line client, using the standard library so it needs nothing installed.
+The router app exposes the admin endpoints (behind the admin key when one is set, else to
+loopback clients only: `router.api.access`); this module is only their command-line client,
+using the standard library so it needs nothing installed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from cluster.config import API_KEY_ENV
+from cluster.config import ADMIN_KEY_ENV
 
 ACTIONS = ("list", "add", "drain", "remove")
 
@@ -26,7 +27,9 @@ def add_workers_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000",
                         help="the router (default: %(default)s)")
     parser.add_argument("--count", type=int, default=1, help="workers to add (default: 1)")
-    parser.add_argument("--api-key", default=None, help=f"API key (default: ${API_KEY_ENV})")
+    parser.add_argument("--admin-key", default=None,
+                        help=f"the router's admin key (default: ${ADMIN_KEY_ENV}; none: the "
+                        "router must be on this host)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds to wait for the router (adds wait for model loads)")
 
@@ -46,7 +49,7 @@ def admin_request(args: argparse.Namespace) -> tuple[str, str, dict | None]:
 
 def run_workers(args: argparse.Namespace) -> int:
     method, path, body = admin_request(args)
-    key = args.api_key or os.environ.get(API_KEY_ENV)
+    key = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"

@@ -22,6 +22,8 @@ from cluster.config import (
     ENGINES,
     VLLM_PYTHON_ENV,
     ClusterConfig,
+    add_access_args,
+    add_deadline_args,
     json_object,
 )
 from router.routing.policies import POLICY_NAMES
@@ -121,9 +123,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     router.add_argument("--cost-config", type=json_object, default=None, metavar="JSON",
                         help="overrides of the routing estimate and the cost terms, e.g. "
                         "'{\"compute\": {\"idle_while_decoding\": true}}' (docs/router.md)")
-    router.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1/* "
-                        f"(default: ${API_KEY_ENV})")
+    add_access_args(router)
     router.add_argument("--stall-timeout", dest="stall_timeout_s", type=float, metavar="S",
                         default=d["stall_timeout_s"].default,
                         help="a worker that sends a request nothing for S seconds is taken for "
@@ -137,6 +137,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         default=d["drain_timeout_s"].default,
                         help="on Ctrl-C / SIGTERM, how long requests in flight may take to "
                         "finish (default: %(default)s)")
+    add_deadline_args(router, d["body_timeout_s"].default, d["send_timeout_s"].default)
     router.add_argument("--tokenize-threads", type=int, metavar="N",
                         default=d["tokenize_threads"].default,
                         help="threads per router replica that parse and tokenize requests off "
@@ -185,6 +186,8 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"radixray: {exc}", file=sys.stderr)
         return 1
+    for warning in config.exposure_warnings():
+        print(f"radixray: warning: {warning}", file=sys.stderr, flush=True)
     launcher = Launcher(config)
     _on_stop_signals(_interrupt)  # SIGTERM (docker stop, k8s) acts like Ctrl-C
     try:

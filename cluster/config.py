@@ -20,6 +20,7 @@ from router.backends.external.probe import PROBE_TOKENS
 from router.config import RouterConfig, cost_config
 
 API_KEY_ENV = "RADIXRAY_API_KEY"
+ADMIN_KEY_ENV = "RADIXRAY_ADMIN_KEY"
 DEVICES = ("auto", "cpu", "cuda")
 ENGINES = ("radixray", "vllm")
 VLLM_PYTHON_ENV = "RADIXRAY_VLLM_PYTHON"
@@ -34,6 +35,34 @@ def json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
     return value
+
+
+def add_access_args(group: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """The credential flags of `serve` and `route` (docs/router.md, Credentials)."""
+    group.add_argument("--api-key", default=None, metavar="KEY",
+                       help="inference (completions, chat, /v1/models, sessions) requires "
+                       f"'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
+    group.add_argument("--admin-key", default=None, metavar="KEY",
+                       help="adding, draining and removing workers require 'Authorization: "
+                       "Bearer KEY'; the API key never opens them; without an admin key they "
+                       f"answer loopback clients only (default: ${ADMIN_KEY_ENV})")
+    group.add_argument("--metrics-public", action="store_true", default=None,
+                       help="/metrics and GET /v1/workers answer every client (default: the "
+                       "admin key or a loopback client only)")
+
+
+def add_deadline_args(group: argparse._ArgumentGroup | argparse.ArgumentParser,
+                      body_s: float, send_s: float) -> None:
+    """The client deadline flags of `serve` and `route`."""
+    group.add_argument("--body-timeout", dest="body_timeout_s", type=float, metavar="S",
+                       default=body_s,
+                       help="a request body must arrive in full within S seconds, else 408 "
+                       "(0: no deadline; default: %(default)s)")
+    group.add_argument("--send-timeout", dest="send_timeout_s", type=float, metavar="S",
+                       default=send_s,
+                       help="a client that takes no byte of its response for S seconds (a "
+                       "stream it stopped reading) is dropped and its request aborted on the "
+                       "worker (0: never; default: %(default)s)")
 
 
 @dataclass
@@ -84,7 +113,11 @@ class ClusterConfig:
     block_size: int = 16
     host_kv_tokens: int = 0  # host-memory KV tier per worker (0: off)
     host_policy: str = "write_through"
-    api_key: str | None = None  # required as `Authorization: Bearer` on /v1/* when set
+    api_key: str | None = None  # inference needs `Authorization: Bearer <api_key>` when set
+    # the admin verbs (add, drain, remove workers) need `Bearer <admin_key>`; None: loopback
+    # clients only ($RADIXRAY_ADMIN_KEY when not given; `router.api.access`)
+    admin_key: str | None = None
+    metrics_public: bool = False  # /metrics and GET /v1/workers answer every client
     address: str | None = None  # Ray address to join ("auto", "ray://..."); None: a local Ray
     num_cpus: int | None = None  # CPUs of a local Ray (None: Ray's own count)
     max_restarts: int = -1  # Ray restarts of a dead worker actor (-1: always)
@@ -98,10 +131,14 @@ class ClusterConfig:
     max_concurrent: int = RouterConfig.max_concurrent
     drain_timeout_s: float = RouterConfig.drain_timeout_s
     tokenize_threads: int = RouterConfig.tokenize_threads
+    body_timeout_s: float = RouterConfig.body_timeout_s
+    send_timeout_s: float = RouterConfig.send_timeout_s
 
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.admin_key is None:
+            self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.engine not in ENGINES:
@@ -180,6 +217,24 @@ class ClusterConfig:
             bundle["GPU"] = self.gpus_per_worker
         return bundle
 
+    def exposure_warnings(self) -> list[str]:
+        """What `serve` says at start about who can reach the router (see `exposure`)."""
+        return exposure(self.host, self.api_key, self.admin_key)
+
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
+
+
+def exposure(host: str, api_key: str | None, admin_key: str | None) -> list[str]:
+    """Warnings for a router listening on `host`: beyond loopback with no inference key, anyone
+    who reaches the port can generate; without an admin key, admin answers loopback only."""
+    out = []
+    loopback = host in ("localhost", "::1") or host.startswith("127.")
+    if not loopback and not api_key:
+        out.append(f"the router listens on {host} with no API key: anyone who reaches its port "
+                   f"can generate (set --api-key or ${API_KEY_ENV})")
+    if not loopback and not admin_key:
+        out.append("no admin key: adding, draining and removing workers answer clients on this "
+                   f"host only (set --admin-key or ${ADMIN_KEY_ENV} to allow others)")
+    return out

@@ -31,7 +31,14 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily
 
-from cluster.config import API_KEY_ENV, json_object
+from cluster.config import (
+    ADMIN_KEY_ENV,
+    API_KEY_ENV,
+    add_access_args,
+    add_deadline_args,
+    exposure,
+    json_object,
+)
 from router.backends.base import Backend
 from router.backends.external.events import EngineEventsConfig, EngineEventStream
 from router.backends.external.metrics import parse_engine_metrics
@@ -210,9 +217,13 @@ def add_route_args(parser: argparse.ArgumentParser) -> None:
                         help="overrides of the cost policy's CostConfig")
     parser.add_argument("--block-size", type=int, default=None, metavar="N",
                         help="tokens per index block (default: the engines' block size)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: "
-                        f"${API_KEY_ENV}); engines are called with the same key")
+    parser.add_argument("--kv-groups", default="all", choices=("all", "full"),
+                        help="which KV groups of a hybrid model (sliding-window, recurrent "
+                        "layers beside full attention) the index reads: all, to predict where "
+                        "a prefix can really resume; full, the full-attention group only, as "
+                        "routers blind to hybrid models do (default: %(default)s)")
+    add_access_args(parser)  # the engines are called with the API key too
+    add_deadline_args(parser, RouterConfig.body_timeout_s, RouterConfig.send_timeout_s)
     parser.add_argument("--probe-tokens", type=int, default=PROBE_TOKENS, metavar="N",
                         help="at join, time a few prompts of the router's own (the longest N "
                         "tokens) on each idle engine, to price requests by its real speeds "
@@ -239,7 +250,10 @@ def build_app(args: argparse.Namespace) -> object:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     config = RouterConfig(
         model=args.model, tokenizer=str(resolve_model(args.model)), policy=args.policy,
-        api_key=api_key, cost_config=args.cost_config or {},
+        api_key=api_key, admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+        metrics_public=bool(args.metrics_public), body_timeout_s=args.body_timeout_s,
+        send_timeout_s=args.send_timeout_s, cost_config=args.cost_config or {},
+        kv_groups=args.kv_groups == "all",
     )
     block_size = args.block_size or engine_block_size([s.url for s in specs], args.wait_s)
     if block_size is not None:
@@ -258,6 +272,8 @@ def run_route(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from router.api.http_server import server_config
+
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("radixray").setLevel(args.log_level.upper())  # others stay at warning
     try:
@@ -265,13 +281,17 @@ def run_route(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"radixray route: {exc}", file=sys.stderr)
         return 2
+    config = app.state.router.config
+    for warning in exposure(args.host, config.api_key, config.admin_key):
+        print(f"radixray route: warning: {warning}", file=sys.stderr, flush=True)
     url = f"http://{args.host}:{args.port}"
     body = json.dumps({"model": args.model, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello!"}]})
     print(f"radixray routes {args.model} over {len(args.worker)} engine(s) at {url} (OpenAI "
           f"API). Try:\n\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'"
           f" -d '{body}'\n", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.Server(server_config(app, config.max_header_bytes, host=args.host, port=args.port,
+                                 log_level="warning", access_log=False)).run()
     return 0
 
 

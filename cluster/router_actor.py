@@ -35,6 +35,7 @@ from ray.exceptions import RayActorError
 from cluster.config import ClusterConfig
 from cluster.fleet import find_fleet
 from cluster.router_link import FLEET_RETRY_S, build_router
+from router.api.http_server import server_config
 
 log = logging.getLogger("radixray.cluster")
 
@@ -88,8 +89,10 @@ class RouterActor:
             raise RuntimeError(f"no fleet named {self.config.fleet_name!r} runs on this Ray")
         app, link = build_router(self.config, self.model_dir, fleet)  # loads the tokenizer
         await _past_fleet_restarts(fleet.started.remote)  # serve once the workers are up
-        uv = uvicorn.Config(
-            _RouterHeader(app, str(os.getpid()).encode()), log_level="warning", lifespan="on",
+        limit = app.state.router.config.max_header_bytes
+        uv = server_config(
+            _RouterHeader(app, str(os.getpid()).encode()), limit, log_level="warning",
+            lifespan="on",
             timeout_graceful_shutdown=max(1, round(self.config.drain_timeout_s)),
         )
         self._server = uvicorn.Server(uv)

@@ -176,12 +176,16 @@ def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:
         tokenizer=model_dir,
         policy=config.policy,
         api_key=config.api_key,
+        admin_key=config.admin_key,
+        metrics_public=config.metrics_public,
         block_size=config.block_size,
         cost_config=dict(config.cost_config),
         stall_timeout_s=config.stall_timeout_s,
         max_concurrent=config.max_concurrent,
         drain_timeout_s=config.drain_timeout_s,
         tokenize_threads=config.tokenize_threads,
+        body_timeout_s=config.body_timeout_s,
+        send_timeout_s=config.send_timeout_s,
     )
 
 

@@ -2,9 +2,12 @@
 
 `serveConfigV2` names `cluster.serve_app:build_app` and passes `args` with the same knobs as
 `radixray serve` in snake_case (model, workers, gpus_per_worker, device, policy, kv_tokens,
-page_size, host_kv_tokens, host_policy, api_key, fleet_name, ...). `host`, `port` and
-`address` are accepted and ignored: Serve's HTTP proxy listens, and the replica runs inside the
-cluster.
+page_size, host_kv_tokens, host_policy, api_key, admin_key, fleet_name, ...). `host`, `port`
+and `address` are accepted and ignored: Serve's HTTP proxy listens, and the replica runs inside
+the cluster. Keys are best left out of `args` (which the RayService manifest shows): a replica
+takes `RADIXRAY_API_KEY` and `RADIXRAY_ADMIN_KEY` from its environment (a Kubernetes Secret).
+Without an admin key the admin verbs answer loopback clients only, which behind Serve's proxy
+is seldom anyone: give the app an admin key to scale it live.
 
 The router replica does not own the workers. The fleet (`cluster/fleet.py`, a detached actor
 named `fleet_name`) does: the first replica creates it (get-or-create by name), and a replica

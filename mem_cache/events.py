@@ -162,22 +162,57 @@ def extend_block_hashes(
 DEVICE = "device"
 HOST = "host"
 
+# The kinds of KV a model's layers keep, named as vLLM's KV events name them
+# (`kv_cache_spec_kind`): all of the prefix, the last `window` tokens, or one state per point.
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+RECURRENT = "mamba"
+GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, RECURRENT)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV group of a hybrid model: the layers that keep the same kind of KV.
+
+    The same fields as vLLM's events (`group_idx`, `kv_cache_spec_kind`,
+    `kv_cache_spec_sliding_window`). A block of a sliding-window group is reported stored while
+    its window KV is cached; a block of a recurrent group while a state saved at its end is.
+    """
+
+    index: int
+    kind: str = FULL_ATTENTION
+    window: int | None = None  # tokens, for SLIDING_WINDOW only
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"unknown KV group kind {self.kind!r}")
+        if (self.kind == SLIDING_WINDOW) != (self.window is not None):
+            raise ValueError("a window is given exactly for a sliding-window group")
+        if self.window is not None and self.window <= 0:
+            raise ValueError(f"window must be positive, got {self.window}")
+        if self.index < 0:
+            raise ValueError(f"group index must be >= 0, got {self.index}")
+
 
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """`hashes` became fully cached, in sequence order; `parent` is the block before hashes[0]."""
+    """`hashes` became fully cached, in sequence order; `parent` is the block before hashes[0].
+
+    `group` is None for a model with full attention only (its one group)."""
 
     hashes: list[int]
     parent: int | None
     medium: str = DEVICE
+    group: KVGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """`hashes` stopped being cached on `medium`."""
+    """`hashes` stopped being cached on `medium` (in `group`, for a hybrid model)."""
 
     hashes: list[int]
     medium: str = DEVICE
+    group: KVGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,11 +253,25 @@ class EventBatch:
     events: list[KVEvent]
 
 
+def _encode_group(group: KVGroup | None) -> list:
+    return [] if group is None else [group.index, group.kind, group.window]
+
+
+def _decode_group(raw: list) -> KVGroup | None:
+    """The group after an event's fixed fields: absent (full attention only) or three fields."""
+    if not raw:
+        return None
+    index, kind, window = raw
+    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(kind, str):
+        raise TypeError(f"malformed KV group {raw!r}")
+    return KVGroup(index, kind, window)
+
+
 def _encode_event(event: KVEvent) -> list:
     if isinstance(event, BlockStored):
-        return [0, event.hashes, event.parent, event.medium]
+        return [0, event.hashes, event.parent, event.medium, *_encode_group(event.group)]
     if isinstance(event, BlockRemoved):
-        return [1, event.hashes, event.medium]
+        return [1, event.hashes, event.medium, *_encode_group(event.group)]
     if isinstance(event, AllCleared):
         return [2]
     if isinstance(event, SessionHeld):
@@ -235,9 +284,9 @@ def _encode_event(event: KVEvent) -> list:
 def _decode_event(raw: list) -> KVEvent:
     kind = raw[0]
     if kind == 0:
-        return BlockStored(list(raw[1]), raw[2], raw[3])
+        return BlockStored(list(raw[1]), raw[2], raw[3], _decode_group(raw[4:]))
     if kind == 1:
-        return BlockRemoved(list(raw[1]), raw[2])
+        return BlockRemoved(list(raw[1]), raw[2], _decode_group(raw[3:]))
     if kind == 2:
         return AllCleared()
     if kind in (3, 4):

@@ -17,8 +17,19 @@ class RouterConfig:
     tokenizer: HF model directory whose tokenizer and chat template the router uses;
         None: `model` itself is taken as a directory.
     policy: routing policy name (`router.routing.policies.POLICY_NAMES`); `cost` is the default.
-    api_key: when set, every `/v1/*` request needs `Authorization: Bearer <api_key>`.
+    api_key: when set, inference (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+        `/v1/sessions/*`) needs `Authorization: Bearer <api_key>` (`router.api.access`).
+    admin_key: when set, the admin verbs (add, drain, remove workers) need
+        `Authorization: Bearer <admin_key>`; None: they answer loopback clients only. The
+        inference key never opens them.
+    metrics_public: `/metrics` and `GET /v1/workers` answer every client; False: the admin key
+        or a loopback client only.
     max_body_bytes: larger request bodies get 413.
+    body_timeout_s: a request body must arrive in full within this long of the headers, else
+        408 (the connection is closed). 0: no deadline.
+    send_timeout_s: a client that takes no byte of its response for this long (a stream it
+        stopped reading) is dropped: the request is aborted on its worker. 0: no deadline.
+    max_header_bytes: request headers larger than this in total get 431.
     max_context: context length in tokens (prompt + max_tokens); None: the smallest
         `max_context` the workers report, else the tokenizer's `model_max_length`, else 4096.
     max_n: the largest `n` (choices per request) accepted.
@@ -43,13 +54,21 @@ class RouterConfig:
     revive_s: how often a worker marked dead is probed to see whether it came back.
     session_ttl_s: idle lifetime of a session's KV on its worker.
     cost_config: overrides of the core's estimate and the `cost` terms (`cost_config`).
+    kv_groups: index every KV group of a hybrid model (sliding-window, recurrent) and predict
+        where a prefix can really resume; False: its full-attention group only, as routers
+        blind to hybrid models do (they over-predict; kept for comparison).
     """
 
     model: str = "tiny"
     tokenizer: str | None = None
     policy: str = "cost"
     api_key: str | None = None
+    admin_key: str | None = None
+    metrics_public: bool = False
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    max_header_bytes: int = 64 * 1024
     max_context: int | None = None
     max_n: int = 16
     default_chat_max_tokens: int = 1024
@@ -66,6 +85,7 @@ class RouterConfig:
     revive_s: float = 2.0
     session_ttl_s: float = 600.0
     cost_config: dict = field(default_factory=dict)
+    kv_groups: bool = True
 
 
 def cost_config(

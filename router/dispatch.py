@@ -113,7 +113,9 @@ class Choice:
         self.worker_id = ""  # the worker serving now
         self.first_worker = ""  # the worker that produced the first token (response header)
         self.cached_tokens = 0
-        self.predicted_tokens = 0
+        self.predicted_tokens = 0  # the index's hit on the worker routed to last
+        self.first_predicted = 0  # ... on the first worker (whose real hit `cached_tokens` is)
+        self.block_size = 0  # of the hashes the prediction came from
         self.finished = False  # the worker's part is over (finished, or aborted by `close`)
         self._backend: Backend | None = None
         self._worker: WorkerState | None = None  # the record `begin` counted this attempt on
@@ -134,6 +136,7 @@ class Choice:
     async def start(self) -> None:
         self._first = await self._attempt()
         self.first_worker = self.worker_id
+        self.first_predicted = self.predicted_tokens
         self.cached_tokens = min(self._first.cached_tokens, len(self.request.input_ids))
 
     def _route(self) -> Backend:
@@ -161,6 +164,7 @@ class Choice:
         self._routed = True
         self.worker_id = decision.worker_id
         self.predicted_tokens = decision.cached_tokens
+        self.block_size = self.registry.block_size
         self.dispatcher.metrics.routed.labels(decision.worker_id, decision.reason).inc()
         self._worker = self.registry.begin(self.worker_id)
         return worker.backend
@@ -388,21 +392,28 @@ async def open_choices(job: Job, dispatcher: Dispatcher) -> list[Choice]:
     return list(results)
 
 
+MERGE_BUFFER = 8  # deltas per choice that may wait for a slow consumer before its pump waits
+
+
 async def merged(runs: list[Choice]) -> AsyncIterator[ChoiceDelta]:
-    """Deltas of all choices as they come; one choice needs no queue."""
+    """Deltas of all choices as they come; one choice needs no queue. The queue is bounded:
+    a consumer that stops (a client that reads nothing) stops the choices' pumps too, so the
+    router holds a few deltas per choice instead of the whole output."""
     if len(runs) == 1:
         async for delta in runs[0].deltas():
             yield delta
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(MERGE_BUFFER * len(runs))
 
     async def pump(run: Choice) -> None:
         try:
             async for delta in run.deltas():
                 await queue.put(delta)
+        except asyncio.CancelledError:
+            raise  # the consumer is gone: nothing waits for the end mark
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer below
             await queue.put(exc)
-        finally:
+        else:
             await queue.put(None)
 
     tasks = [asyncio.create_task(pump(r)) for r in runs]
@@ -428,6 +439,8 @@ def account(job: Job, runs: list[Choice], metrics: RouterMetrics) -> dict:
     metrics.generation_tokens.inc(completion)
     metrics.cached_actual.inc(cached)
     metrics.cached_predicted.inc(predicted)
+    for p in range(len(job.prompts)):
+        metrics.hit(runs[p * job.n])
     metrics.e2e.observe(time.perf_counter() - job.arrival)
     return {
         "prompt_tokens": prompt,

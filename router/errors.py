@@ -61,3 +61,23 @@ def no_workers() -> APIError:
 
 def not_implemented(what: str) -> APIError:
     return APIError(501, f"{what} is not available on this router.", code="not_implemented")
+
+
+def invalid_admin_key() -> APIError:
+    return APIError(401, "Invalid or missing admin key.", code="invalid_admin_key")
+
+
+def admin_forbidden(reason: str) -> APIError:
+    return APIError(403, reason, code="admin_forbidden", type_="permission_error")
+
+
+def request_timeout(seconds: float) -> APIError:
+    return APIError(
+        408, f"The request body did not arrive within {seconds:g} s.", code="request_timeout"
+    )
+
+
+def headers_too_large(limit: int) -> APIError:
+    return APIError(
+        431, f"Request headers exceed {limit} bytes.", code="request_header_fields_too_large"
+    )

@@ -6,11 +6,22 @@ as they do in tests and in a Ray Serve replica that is rebuilt.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class HitReport(Protocol):
+    """What `RouterMetrics.hit` reads of a served prompt (`dispatch.Choice`)."""
+
+    first_worker: str
+    first_predicted: int
+    cached_tokens: int
+    block_size: int
 
 
 class RouterMetrics:
@@ -57,6 +68,25 @@ class RouterMetrics:
             "prompt tokens the workers reported reused",
             registry=r,
         )
+        self.worker_cached_predicted = Counter(
+            "radixray_worker_cached_tokens_predicted",
+            "prompt tokens the index expected cached on the worker a request was routed to",
+            ["worker"],
+            registry=r,
+        )
+        self.worker_cached_actual = Counter(
+            "radixray_worker_cached_tokens_actual",
+            "prompt tokens that worker reported reused",
+            ["worker"],
+            registry=r,
+        )
+        self.false_hits = Counter(
+            "radixray_false_hits",
+            "requests routed for a predicted hit of at least one block that the worker then "
+            "reported as 0 cached tokens",
+            ["worker"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("radixray_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter(
             "radixray_generation_tokens", "generated tokens", registry=r
@@ -79,9 +109,24 @@ class RouterMetrics:
         self.rejected = Counter(
             "radixray_rejected", "requests answered 429 at the concurrency limit", registry=r
         )
+        self.slow_readers = Counter(
+            "radixray_slow_readers",
+            "responses dropped after their client read nothing for the send timeout",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "radixray_in_flight", "generation requests in flight on this router", registry=r
         )
+
+    def hit(self, run: HitReport) -> None:
+        """One prompt's predicted and real prefix hit on the worker that served it first."""
+        worker = run.first_worker
+        if not worker:
+            return
+        self.worker_cached_predicted.labels(worker).inc(run.first_predicted)
+        self.worker_cached_actual.labels(worker).inc(run.cached_tokens)
+        if run.block_size and run.first_predicted >= run.block_size and run.cached_tokens == 0:
+            self.false_hits.labels(worker).inc()
 
     def worker_joined(self, worker: object) -> None:
         """(Registry listener.) Series appear with the worker's first stats."""

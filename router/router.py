@@ -21,6 +21,7 @@ from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.routing.core import CoreConfig, RoutingCore
 from router.routing.policies import PolicyConfig
+from router.routing.prefix_index import IndexConfig
 from router.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -43,6 +44,7 @@ class Router:
             core = RoutingCore(config=CoreConfig(
                 policy=config.policy,
                 block_size=config.block_size,
+                index=IndexConfig(kv_groups=config.kv_groups),
                 estimate=estimate,
                 policies=PolicyConfig(cost=terms),
             ))

@@ -13,28 +13,38 @@ endpoints start and stop workers; without it, adding answers 501. `tokenizer` de
 HF tokenizer of `config.tokenizer or config.model`.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics, GET /v1/workers, DELETE /v1/sessions/{id}; admin: POST /v1/admin/workers
+GET /metrics, GET /v1/workers, DELETE /v1/sessions/{id}; admin: POST /v1/workers
 (body {"count": n}, or {"url", "events", "replay"}: an external engine),
-POST /v1/admin/workers/{id}/drain, DELETE /v1/admin/workers/{id} (also
-under /v1/workers/...). Every response carries `X-Radixray-Worker` (the serving worker, or
-"none"). With `config.api_key`, every /v1/* call needs `Authorization: Bearer <key>`.
-Completions and chat requests past `config.max_concurrent` in flight get 429 with
-`Retry-After` (`router.api.admission`); on shutdown the app waits up to `config.drain_timeout_s`
-for those in flight to end before it stops the workers' link.
+POST /v1/workers/{id}/drain, DELETE /v1/workers/{id} (also under /v1/admin/workers/...).
+Every response carries `X-Radixray-Worker` (the serving worker, or "none"). Who may call what
+(`config.api_key`, `config.admin_key`, loopback clients) is `router.api.access`'s rule.
+
+Deadlines and bounds on what a client controls: request headers (`config.max_header_bytes`,
+431; `X-Session-ID` at most 256 characters, 400), the body (`config.max_body_bytes`, 413; in
+full within `config.body_timeout_s` of the headers, else 408), and the response (a send the
+client does not take within `config.send_timeout_s` drops the connection and aborts the
+request on its worker). Completions and chat requests are admitted once their body is read,
+parsed and tokenized: past `config.max_concurrent` in flight they get 429 with `Retry-After`
+(`router.api.admission`); on shutdown the app waits up to `config.drain_timeout_s` for those
+in flight to end before it stops the workers' link.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from router.api import access
 from router.api.admin import WorkerAdmin, WorkerControl
 from router.api.admission import Admission
 from router.api.openai_types import ChatRequest, CompletionRequest, parse_body
@@ -43,13 +53,22 @@ from router.api.requests import JobBuilder
 from router.backends.base import Backend
 from router.config import RouterConfig
 from router.dispatch import Choice, account, merged, open_choices
-from router.errors import APIError, bad_request, body_too_large, invalid_api_key
+from router.errors import (
+    APIError,
+    bad_request,
+    body_too_large,
+    headers_too_large,
+    request_timeout,
+)
 from router.job import Job
 from router.router import Router
 from router.routing.core import RoutingCore
 from router.tokenizer import Tokenizer
 
 WORKER_HEADER = "X-Radixray-Worker"
+MAX_SESSION_ID = 256  # characters, as the body field `session_id`
+
+log = logging.getLogger("radixray.router")
 
 
 _ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/workers", "/health"}
@@ -75,10 +94,15 @@ def _error(exc: APIError, headers: dict[str, str] | None = None) -> Response:
     return Response(exc.body_bytes(), exc.status, headers, "application/json")
 
 
+class SlowReader(Exception):
+    """The client took no byte of its response for `send_timeout_s`."""
+
+
 class _Guard:
-    """ASGI middleware: API key on /v1/*, body size from Content-Length, the router started
-    (the one place besides the lifespan: a host that runs no lifespan, such as some Ray Serve
-    set-ups, starts it with its first request), the worker header."""
+    """ASGI middleware: header bounds, credentials (`router.api.access`), body size from
+    Content-Length, the send deadline, the router started (the one place besides the lifespan:
+    a host that runs no lifespan, such as some Ray Serve set-ups, starts it with its first
+    request), the worker header."""
 
     def __init__(self, app: Any, router: Router) -> None:
         self.app = app
@@ -94,37 +118,59 @@ class _Guard:
             ).inc()
             return await _error(failure)(scope, receive, send)
         await self.router.start()  # cheap once started
+        deadline = self.router.config.send_timeout_s or None
 
         async def send_with_header(message: dict) -> None:
             if message["type"] == "http.response.start":
                 headers = message.setdefault("headers", [])
                 if not any(k.lower() == b"x-radixray-worker" for k, _ in headers):
                     headers.append((b"x-radixray-worker", b"none"))
-            await send(message)
+            try:
+                async with asyncio.timeout(deadline):
+                    await send(message)  # uvicorn waits here while the client reads nothing
+            except TimeoutError:
+                raise SlowReader from None
 
-        await self.app(scope, receive, send_with_header)
+        try:
+            await self.app(scope, receive, send_with_header)
+        except SlowReader:  # the stream was closed (its request aborted) on the way out
+            self.router.metrics.slow_readers.inc()
+            log.warning("dropped a client that read nothing of its response for %g s (%s %s)",
+                        deadline, scope["method"], scope["path"])
 
     def _check(self, scope: dict) -> APIError | None:
-        headers = dict(scope["headers"])
-        key = self.router.config.api_key
-        if key and scope["path"].startswith("/v1/"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return invalid_api_key()
+        config = self.router.config
+        raw = scope["headers"]
+        if sum(len(k) + len(v) + 4 for k, v in raw) > config.max_header_bytes:
+            return headers_too_large(config.max_header_bytes)
+        headers = dict(raw)
+        session = headers.get(b"x-session-id")
+        if session is not None and len(session) > MAX_SESSION_ID:
+            return bad_request(f"X-Session-ID must be at most {MAX_SESSION_ID} characters",
+                               param="X-Session-ID")
+        denied = access.check(config, scope, headers)
+        if denied is not None:
+            return denied
         length = headers.get(b"content-length")
-        limit = self.router.config.max_body_bytes
+        limit = config.max_body_bytes
         if length is not None and (not length.isdigit() or int(length) > limit):
             return body_too_large(limit) if length.isdigit() else bad_request("bad Content-Length")
         return None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit)
-        chunks.append(chunk)
+async def _read_body(request: Request, config: RouterConfig) -> bytes:
+    """The whole body, at most `max_body_bytes` (413), in full within `body_timeout_s` (408);
+    a client that leaves meanwhile raises starlette's `ClientDisconnect`."""
+    chunks, size, limit = [], 0, config.max_body_bytes
+    try:
+        async with asyncio.timeout(config.body_timeout_s or None):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise body_too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise request_timeout(config.body_timeout_s) from None
     return b"".join(chunks)
 
 
@@ -133,7 +179,7 @@ async def _job(
 ) -> tuple[Any, Job]:
     """The parsed body and its job, built on the router's tokenize threads (`off_loop`), so
     the loop goes on streaming meanwhile."""
-    raw = await _read_body(request, router.config.max_body_bytes)
+    raw = await _read_body(request, router.config)
     session_id = request.headers.get("x-session-id")
 
     def build() -> tuple[Any, Job]:
@@ -181,7 +227,16 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         router.metrics.requests.labels(endpoint_label(request.url.path), str(exc.status)).inc()
-        return _error(exc)
+        # a body not read in full leaves the connection unusable for another request
+        return _error(exc, {"Connection": "close"} if exc.status == 408 else None)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, _: ClientDisconnect) -> Response:
+        endpoint = endpoint_label(request.url.path)
+        router.metrics.requests.labels(endpoint, "499").inc()
+        client = request.client.host if request.client else "?"
+        log.info("client %s left before its request body to %s arrived", client, endpoint)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -195,15 +250,13 @@ def _add_handlers(app: FastAPI, router: Router) -> None:
 def _add_openai_routes(
     app: FastAPI, router: Router, jobs: JobBuilder, admission: Admission
 ) -> None:
-    async def completions(request: Request) -> Response:
-        body, job = await _job(request, CompletionRequest, jobs.completion_job, router)
+    async def completions(body: CompletionRequest, job: Job) -> Response:
         renderer = Renderer(job, router.tokenizer, False, body.logprobs, body.return_token_ids)
         return await _serve(
             router, job, renderer, body.stream, body.include_usage(), "/v1/completions"
         )
 
-    async def chat(request: Request) -> Response:
-        body, job = await _job(request, ChatRequest, jobs.chat_job, router)
+    async def chat(body: ChatRequest, job: Job) -> Response:
         top = (body.top_logprobs or 0) if body.logprobs else None
         renderer = Renderer(job, router.tokenizer, True, top, body.return_token_ids)
         return await _serve(
@@ -211,8 +264,15 @@ def _add_openai_routes(
         )
 
     # Plain Starlette routes: the hot path skips FastAPI's per-request dependency solving.
-    for path, handler in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
-        app.add_route(path, _admitted(handler, path, router, admission), methods=["POST"])
+    # (the job builders are looked up per request: `app.state.jobs` may be wrapped later)
+    routes = (
+        ("/v1/completions", CompletionRequest, lambda b, s: jobs.completion_job(b, s),
+         completions),
+        ("/v1/chat/completions", ChatRequest, lambda b, s: jobs.chat_job(b, s), chat),
+    )
+    for path, cls, make, handler in routes:
+        admitted = _admitted(cls, make, handler, path, router, admission)
+        app.add_route(path, admitted, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -244,19 +304,27 @@ def _add_openai_routes(
 
 
 def _admitted(
-    handler: Callable[[Request], Any], endpoint: str, router: Router, admission: Admission
+    cls: type,
+    make: Callable[[Any, str | None], Job],
+    handler: Callable[[Any, Job], Any],
+    endpoint: str,
+    router: Router,
+    admission: Admission,
 ) -> Callable[[Request], Any]:
-    """`handler` within the concurrency limit: 429 with `Retry-After` past it. The slot is
-    held until the response is sent in full (a stream's last byte), or the request fails."""
+    """`handler(body, job)` within the concurrency limit: 429 with `Retry-After` past it.
+    The slot is taken once the body has arrived and its job is built (a client that is slow
+    to send, or sends a bad body, holds none) and held until the response is sent in full (a
+    stream's last byte), or the request fails."""
 
     async def admit(request: Request) -> Response:
+        body, job = await _job(request, cls, make, router)
         if not admission.enter():
             router.metrics.rejected.inc()
             router.metrics.requests.labels(endpoint, "429").inc()
             return _error(admission.too_busy(), {"Retry-After": str(admission.retry_after_s)})
         router.metrics.in_flight.set(admission.in_flight)
         try:
-            response = await handler(request)
+            response = await handler(body, job)
         except BaseException:
             _leave(router, admission)
             raise
@@ -287,6 +355,19 @@ async def _leaving(
             await body.aclose()
 
 
+class _ClosingStream(StreamingResponse):
+    """A stream that closes its body iterator however sending ends (the client left, or stopped
+    reading past the send deadline), so its request is aborted on the worker and its slot given
+    back now rather than when the iterator is collected."""
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 async def _serve(
     router: Router, job: Job, renderer: Renderer, stream: bool, include_usage: bool, endpoint: str
 ) -> Response:
@@ -294,7 +375,7 @@ async def _serve(
     worker = runs[0].first_worker
     router.metrics.requests.labels(endpoint, "200").inc()
     if stream:
-        return StreamingResponse(
+        return _ClosingStream(
             _sse(router, job, renderer, runs, include_usage),
             media_type="text/event-stream",
             headers={WORKER_HEADER: worker},
@@ -337,7 +418,7 @@ def _add_admin_routes(app: FastAPI, router: Router, admin: WorkerAdmin) -> None:
         return _json({"object": "list", "data": admin.workers_json()})
 
     async def add(request: Request) -> Response:
-        raw = await _read_body(request, router.config.max_body_bytes)
+        raw = await _read_body(request, router.config)
         count: Any = 1
         if raw.strip():
             try:

@@ -1,6 +1,9 @@
 """OpenAI request bodies: parsing and validation into typed models, errors as APIError(400).
 
-Unknown fields are ignored (clients of vLLM and SGLang send many). Extensions accepted beside
+Unknown fields are ignored (clients of vLLM and SGLang send many). Numbers are strict, as in
+OpenAI's API: an integer field takes a JSON integer only (not `"5"`, `true` or `5.0`), a number
+field a JSON number (not a string or a boolean). A `tool` message needs its `tool_call_id`.
+Extensions accepted beside
 the OpenAI fields: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 skip_special_tokens, session_id, return_token_ids (vLLM's: output ids in each choice).
 """
@@ -10,7 +13,17 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic import StrictFloat as Number  # takes an int too, never a str or bool
+from pydantic import StrictInt as Int
 
 from router.errors import APIError, bad_request
 
@@ -29,23 +42,23 @@ class SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Number | None = Field(default=None, gt=0.0, le=1.0)
+    n: Int = Field(default=1, ge=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: Int | None = None
+    presence_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Number = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: Int = Field(default=-1, ge=-1)
+    min_p: Number = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: Number = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: Int = Field(default=0, ge=0)
     ignore_eos: StrictBool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: StrictBool = True
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: StrictBool = False
@@ -60,9 +73,9 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = Field(default=16, ge=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
 
 
@@ -72,13 +85,21 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
+    tool_call_id: str | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("role") == "tool" and not value:
+            raise ValueError("a message with role 'tool' needs its 'tool_call_id'")
+        return value
 
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:

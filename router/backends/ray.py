@@ -9,6 +9,11 @@ from typing import Any
 from router.backends.base import Backend, BackendDead, BackendRequestError
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
+# Streamed items a worker may have sent that this router has not consumed yet; past it the
+# worker's generator waits (its engine goes on: its chunks merge on the worker, a few ids
+# each). A client that stops reading so holds a bounded buffer here, not its whole output.
+STREAM_BUFFER = 16
+
 
 def _chunks(item: Any) -> list[TokenChunk]:
     """A streamed item is one TokenChunk or a list of them (one engine step)."""
@@ -41,7 +46,9 @@ class RayBackend(Backend):
         stream = None
         finished = False
         try:
-            stream = self.handle.generate.options(num_returns="streaming").remote(request)
+            stream = self.handle.generate.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BUFFER
+            ).remote(request)
             async for ref in stream:
                 for chunk in _chunks(await ref):
                     finished = chunk.finish_reason is not None

@@ -204,7 +204,7 @@ class RoutingCore:
         self.affinity.add(holders, now)
         self.affinity.add_demand(decision.worker_id, num_tokens, now)
         self.ledger.book(self._booking(request, view, decision, hashes), now)
-        self.index.record_route(decision.worker_id, hashes)
+        self.index.record_route(decision.worker_id, hashes, self.registry.block_size)
         if session_id is not None:
             self.sessions.pin(session_id, decision.worker_id)
         return decision
@@ -257,9 +257,12 @@ class RoutingCore:
         workers = [w for w in self.registry.routable() if w.worker_id not in exclude]
         if not workers:
             raise NoWorkerError("no worker available")
-        match = self.index.match(hashes)
+        block_size = self.registry.block_size
+        # the engine computes at least the prompt's last token, and resumes at a block end
+        limit = (num_tokens - 1) // block_size if num_tokens > 0 else 0
+        match = self.index.match(hashes, limit, block_size)
         request = RouteRequest(
-            request_id, num_tokens, len(hashes), expected_output, self.registry.block_size,
+            request_id, num_tokens, len(hashes), expected_output, block_size,
             session_id, self.estimator.fleet.prefill_tokens_per_s,
         )
         candidates = []

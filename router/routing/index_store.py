@@ -6,6 +6,9 @@ last-use tick, least recently used first). Ticks are global and unique, so the l
 used entry of the whole store is the oldest head among those dicts: that is how the bound
 (`max_blocks` entries) evicts. Every entry is added in `add` and removed in `drop`; `clear` and
 `enforce_bound` go through `drop`, so masks, dicts and the size always agree.
+
+A hybrid worker's groups other than its full-attention one are tiers of their own
+(`kv_groups.WorkerGroups`), added when first seen; their entries count in the same bound.
 """
 
 from __future__ import annotations
@@ -15,20 +18,31 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from mem_cache.events import DEVICE, HOST
+from router.routing.kv_groups import WorkerGroups
 
-TIERS = (DEVICE, HOST)
+TIERS = (DEVICE, HOST)  # the media; group tiers come on top
 
 
 class WorkerEntries:
     """One worker's entries: per tier hash -> last-use tick (LRU first), and unconfirmed ones."""
 
-    __slots__ = ("worker_id", "bit", "tiers", "pending")
+    __slots__ = ("worker_id", "bit", "tiers", "pending", "groups", "group_pending")
 
     def __init__(self, worker_id: str, bit: int) -> None:
         self.worker_id = worker_id
         self.bit = bit  # its bit in the masks
         self.tiers: dict[str, OrderedDict[int, int]] = {t: OrderedDict() for t in TIERS}
         self.pending: dict[int, float] = {}  # unconfirmed device hash -> deadline, deadline order
+        self.groups = WorkerGroups()
+        # unconfirmed entries of group tiers: (tier, hash) -> deadline, deadline order
+        self.group_pending: dict[tuple[str, int], float] = {}
+
+    def entries(self, tier: str) -> OrderedDict[int, int]:
+        """The worker's entries of `tier`, a group tier made on first use."""
+        entries = self.tiers.get(tier)
+        if entries is None:
+            entries = self.tiers[tier] = OrderedDict()
+        return entries
 
 
 class EntryStore:
@@ -68,7 +82,7 @@ class EntryStore:
     def touch(self, worker: WorkerEntries, medium: str, hashes: Iterable[int]) -> list[int]:
         """Mark the worker's entries for `hashes` used now, adding the missing ones; returns
         the hashes it added."""
-        entries = worker.tiers[medium]
+        entries = worker.entries(medium)
         added = []
         for h in hashes:
             if h in entries:
@@ -83,17 +97,22 @@ class EntryStore:
     def add(self, worker: WorkerEntries, medium: str, h: int) -> None:
         """A new entry (the caller checked it is missing), most recently used."""
         self._tick += 1
-        worker.tiers[medium][h] = self._tick
-        masks = self.masks[medium]
+        worker.entries(medium)[h] = self._tick
+        masks = self.masks.get(medium)
+        if masks is None:
+            masks = self.masks[medium] = {}
         masks[h] = masks.get(h, 0) | (1 << worker.bit)
         self.size += 1
 
     def drop(self, worker: WorkerEntries, medium: str, h: int) -> None:
         """Remove an entry (and its unconfirmed mark); a missing one is ignored."""
-        if worker.tiers[medium].pop(h, None) is None:
+        entries = worker.tiers.get(medium)
+        if entries is None or entries.pop(h, None) is None:
             return
         if medium == DEVICE:
             worker.pending.pop(h, None)
+        elif medium != HOST:
+            worker.group_pending.pop((medium, h), None)
         masks = self.masks[medium]
         rest = masks[h] & ~(1 << worker.bit)
         if rest:
@@ -104,10 +123,11 @@ class EntryStore:
 
     def clear(self, worker: WorkerEntries) -> None:
         """Remove every entry of the worker."""
-        for medium in TIERS:
+        for medium in list(worker.tiers):
             for h in list(worker.tiers[medium]):
                 self.drop(worker, medium, h)
         worker.pending.clear()
+        worker.group_pending.clear()
 
     def enforce_bound(self) -> None:
         """Evict least recently used entries, store-wide, until `max_blocks` holds."""

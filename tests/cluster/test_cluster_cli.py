@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -22,6 +23,7 @@ from cluster.cli import build_parser, curl_line
 from cluster.config import API_KEY_ENV, ClusterConfig
 
 SERVE_FLAGS = ("--model", "--workers", "--gpus-per-worker", "--device", "--host", "--port",
+               "--admin-key", "--metrics-public", "--body-timeout", "--send-timeout",
                "--policy", "--kv-tokens", "--page-size", "--host-kv-tokens", "--host-policy",
                "--api-key", "--address", "--cost-config")
 
@@ -153,12 +155,13 @@ def _alive(pids: set[int]) -> set[int]:
 class Serve:
     """`radixray serve` in a subprocess, its output collected line by line."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *flags: str) -> None:
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        env.pop("RADIXRAY_ADMIN_KEY", None)
         self.proc = subprocess.Popen(
             [*_command(), "serve", "--model", "tiny", "--port", str(port), "--kv-tokens", "4096",
-             "--num-cpus", "2"],
+             "--num-cpus", "2", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=True,  # its own process group, as a shell gives a foreground job
         )
@@ -206,16 +209,24 @@ def test_a_stop_signal_ignores_the_next_ones_until_cleanup_is_done():
 def test_radixray_serve_answers_its_curl_line_and_stops_cleanly(helpers):
     port = helpers.free_port()
     t0 = time.monotonic()
-    serve = Serve(port)
+    serve = Serve(port, "--api-key", "k", "--admin-key", "a")
+    url = f"http://127.0.0.1:{port}"
     try:
         serve.wait_for_line("Press Ctrl-C", 240)
         curl = next(line.strip() for line in serve.lines if line.strip().startswith("curl "))
         body = json.loads(shlex.split(curl)[-1])
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k")
         answer = client.chat.completions.create(**body)
         print(f"radixray serve -> first answer: {time.monotonic() - t0:.1f}s")
         assert answer.choices[0].finish_reason in ("stop", "length")
-        helpers.assert_idle_accounting(f"http://127.0.0.1:{port}")
+        # the inference key does not remove a worker; the admin key lists them
+        denied = httpx.delete(f"{url}/v1/workers/worker-0", headers={"Authorization": "Bearer k"})
+        assert denied.status_code == 403 and denied.json()["error"]["code"] == "admin_forbidden"
+        assert httpx.post(f"{url}/v1/workers", json={"count": 1}).status_code == 401
+        rows = httpx.get(f"{url}/v1/workers", headers={"Authorization": "Bearer a"}).json()
+        assert sorted(r["id"] for r in rows["data"]) == ["worker-0", "worker-1"]
+        assert "warning" not in serve.output()  # on loopback, with both keys
+        helpers.assert_idle_accounting(url)
         ray_processes = _descendants(serve.proc.pid)  # GCS, raylet, workers of its local Ray
         assert len(ray_processes) >= 3
     finally:
@@ -239,3 +250,34 @@ def test_ctrl_c_while_workers_load_stops_everything(helpers):
     assert code == 0, serve.output()
     assert "Press Ctrl-C" not in serve.output()
     helpers.wait_for(lambda: not _alive(ray_processes), 30, "its Ray processes to exit")
+
+
+def test_admin_key_and_deadlines_reach_the_router_config(monkeypatch):
+    from cluster.config import ADMIN_KEY_ENV
+    from cluster.router_link import router_config
+
+    monkeypatch.setenv(ADMIN_KEY_ENV, "from-env")
+    config = ClusterConfig.from_dict({"model": "tiny"})  # as the Serve app builds it
+    assert config.admin_key == "from-env" and not config.metrics_public
+    args = build_parser().parse_args(
+        ["serve", "--admin-key", "a", "--api-key", "k", "--metrics-public", "--body-timeout", "5",
+         "--send-timeout", "7"])
+    routed = router_config(ClusterConfig.from_args(args), "dir")
+    assert (routed.api_key, routed.admin_key, routed.metrics_public) == ("k", "a", True)
+    assert (routed.body_timeout_s, routed.send_timeout_s) == (5.0, 7.0)
+    workers = build_parser().parse_args(["workers", "list", "--admin-key", "a"])
+    assert workers.admin_key == "a"
+
+
+def test_serve_warns_when_it_listens_beyond_loopback_without_keys(monkeypatch):
+    from cluster.config import ADMIN_KEY_ENV
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(ADMIN_KEY_ENV, raising=False)
+    open_to_all = ClusterConfig(host="0.0.0.0").exposure_warnings()
+    assert len(open_to_all) == 2
+    assert "no API key" in open_to_all[0] and "--api-key" in open_to_all[0]
+    assert "clients on this host only" in open_to_all[1] and "--admin-key" in open_to_all[1]
+    assert len(ClusterConfig(host="0.0.0.0", api_key="k").exposure_warnings()) == 1
+    assert ClusterConfig(host="0.0.0.0", api_key="k", admin_key="a").exposure_warnings() == []
+    assert ClusterConfig(host="127.0.0.1").exposure_warnings() == []

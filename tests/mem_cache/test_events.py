@@ -11,6 +11,7 @@ from mem_cache.events import (
     AllCleared,
     BlockRemoved,
     BlockStored,
+    KVGroup,
     SessionHeld,
     SessionReleased,
     block_hashes,
@@ -77,6 +78,9 @@ def test_batch_round_trip_keeps_every_event():
         AllCleared(),
         SessionHeld("chat-7"),
         SessionReleased("chat-7"),
+        BlockStored([4, 5], 3, group=KVGroup(2, "sliding_window", 512)),
+        BlockRemoved([5], "host", KVGroup(0, "mamba")),
+        BlockStored([6], None, group=KVGroup(1)),
     ]
     batch = decode_batch(encode_batch("worker-3", 17, 42, events))
     assert (batch.worker_id, batch.epoch, batch.seq) == ("worker-3", 17, 42)
@@ -92,8 +96,22 @@ def test_batch_round_trip_keeps_every_event():
         msgpack.packb(["w", 1, 2, [[9]]]),
         msgpack.packb(["w", 1, 2, [[3, 5]]]),  # a session id that is not a string
         msgpack.packb(["w", 1, 2, [[4]]]),  # a session event without its id
+        msgpack.packb(["w", 1, 2, [[0, [1], None, "device", 0, "sliding_window"]]]),  # no window
+        msgpack.packb(["w", 1, 2, [[1, [1], "device", 0, "sliding_window", None]]]),
+        msgpack.packb(["w", 1, 2, [[1, [1], "device", 0, "cross_attention", None]]]),
+        msgpack.packb(["w", 1, 2, [[1, [1], "device", -1, "full_attention", None]]]),
+        msgpack.packb(["w", 1, 2, [[1, [1], "device", True, "full_attention", None]]]),
     ],
 )
 def test_malformed_batches_raise_value_error(data):
     with pytest.raises(ValueError):
         decode_batch(data)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [("sliding_window", None), ("full_attention", 512), ("mamba", 16), ("sliding_window", 0)],
+)
+def test_a_window_is_given_exactly_for_sliding_window_groups(fields):
+    with pytest.raises(ValueError):
+        KVGroup(0, *fields)

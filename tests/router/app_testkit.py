@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from mem_cache.events import AllCleared, BlockStored, block_hashes, encode_batch
+from router.api.http_server import server_config
 from router.backends.base import Backend, BackendDead
 from worker.protocol import GenerateRequest, TokenChunk, WorkerStats
 
@@ -220,8 +221,10 @@ class LiveServer:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        router = getattr(getattr(app, "state", None), "router", None)
+        limit = router.config.max_header_bytes if router is not None else 64 * 1024
+        config = server_config(  # uvicorn as `radixray serve` runs it
+            app, limit, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
         )
         self.server = uvicorn.Server(config)
         self.loop = asyncio.new_event_loop()

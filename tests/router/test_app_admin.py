@@ -49,16 +49,18 @@ def wait_for(predicate, timeout=10.0):
 
 def test_add_drain_remove_through_the_admin_api(tokenizer):
     control = FakeControl()
-    config = RouterConfig(model="tiny", api_key="k")
+    config = RouterConfig(model="tiny", api_key="k", admin_key="a")
     app = create_app(config, [FakeWorker("w0")], control=control, tokenizer=tokenizer)
-    auth = {"Authorization": "Bearer k"}
     with LiveServer(app) as server:
-        http = httpx.Client(base_url=server.url, headers=auth, timeout=30)
+        http = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer k"}, timeout=30)
+        admin = httpx.Client(base_url=server.url, headers={"Authorization": "Bearer a"},
+                             timeout=30)
         assert httpx.post(server.url + "/v1/admin/workers").status_code == 401
-        added = http.post("/v1/admin/workers", json={"count": 2}).json()["added"]
+        assert http.post("/v1/workers", json={"count": 1}).status_code == 403  # inference key
+        added = admin.post("/v1/admin/workers", json={"count": 2}).json()["added"]
         assert added == ["added1", "added2"]
-        assert http.post("/v1/workers", json={}).json()["added"] == ["added3"]
-        ids = {r["id"] for r in http.get("/v1/workers").json()["data"]}
+        assert admin.post("/v1/workers", json={}).json()["added"] == ["added3"]
+        ids = {r["id"] for r in admin.get("/v1/workers").json()["data"]}
         assert ids == {"w0", "added1", "added2", "added3"}
 
         # a drain waits for the worker's in-flight request, which completes normally
@@ -75,9 +77,9 @@ def test_add_drain_remove_through_the_admin_api(tokenizer):
         assert victim not in {v.worker_id for v in app.state.router.core.workers()}
 
         left = [i for i in ids if i != victim]
-        assert http.delete(f"/v1/admin/workers/{left[0]}").json()["state"] == "removed"
-        assert {r["id"] for r in http.get("/v1/workers").json()["data"]} == set(left[1:])
-        assert http.post(f"/v1/workers/{left[1]}/drain").json()["state"] == "removed"
+        assert admin.delete(f"/v1/admin/workers/{left[0]}").json()["state"] == "removed"
+        assert {r["id"] for r in admin.get("/v1/workers").json()["data"]} == set(left[1:])
+        assert admin.post(f"/v1/workers/{left[1]}/drain").json()["state"] == "removed"
         assert control.removed[-2:] == [left[0], left[1]]
 
 

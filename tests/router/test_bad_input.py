@@ -210,6 +210,37 @@ CASES = [
         "messages[0].content",
     ),
     ("seed too large", COMP, {"model": "tiny", "prompt": "a", "seed": 1 << 70}, None, 400, "seed"),
+    # strict numbers: a string or a boolean is not an integer (OpenAI and vLLM answer 400)
+    *[
+        (f"{field} {value!r}", path, {**base, field: value}, None, 400, param)
+        for field, value, path, base, param in [
+            ("max_tokens", "5", CHAT, {"model": "tiny", "messages": MSG}, "max_tokens"),
+            ("max_tokens", True, CHAT, {"model": "tiny", "messages": MSG}, "max_tokens"),
+            ("max_tokens", 5.0, COMP, {"model": "tiny", "prompt": "a"}, "max_tokens"),
+            ("max_completion_tokens", "5", CHAT, {"model": "tiny", "messages": MSG},
+             "max_completion_tokens"),
+            ("n", True, COMP, {"model": "tiny", "prompt": "a"}, "n"),
+            ("seed", "7", COMP, {"model": "tiny", "prompt": "a"}, "seed"),
+            ("top_k", False, COMP, {"model": "tiny", "prompt": "a"}, "top_k"),
+            ("min_tokens", "1", COMP, {"model": "tiny", "prompt": "a"}, "min_tokens"),
+            ("logprobs", True, COMP, {"model": "tiny", "prompt": "a"}, "logprobs"),
+            ("top_logprobs", "2", CHAT, {"model": "tiny", "messages": MSG, "logprobs": True},
+             "top_logprobs"),
+            ("stop_token_ids", [True], COMP, {"model": "tiny", "prompt": "a"},
+             "stop_token_ids.0"),
+            ("prompt", [5, True], COMP, {"model": "tiny"}, "prompt"),
+            ("temperature", "0.5", COMP, {"model": "tiny", "prompt": "a"}, "temperature"),
+            ("top_p", True, COMP, {"model": "tiny", "prompt": "a"}, "top_p"),
+        ]
+    ],
+    (
+        "tool message without tool_call_id",
+        CHAT,
+        {"model": "tiny", "messages": [*MSG, {"role": "tool", "content": "42"}]},
+        None,
+        400,
+        "messages.1.tool_call_id",
+    ),
     (
         "session id empty",
         COMP,

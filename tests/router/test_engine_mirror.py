@@ -121,11 +121,12 @@ def test_parse_reads_vllm_payloads():
         {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU", "group_idx": 1},
         {"type": "AllBlocksCleared"},
     ], 0]))
-    salted, lora, mm, removed, cleared = parse_payload(payload)
+    salted, lora, mm, removed, removed_group, cleared = parse_payload(payload).events
     assert (salted.namespace, salted.opaque) == ("tenant-a", False)
     assert (lora.namespace, lora.opaque) == ("lora:ad|s", False)
     assert mm.opaque
     assert removed == EngineRemoved([7], "GPU")
+    assert removed_group == EngineRemoved([7], "GPU", 1)
     assert cleared == EngineCleared()
 
 
@@ -135,16 +136,6 @@ def test_parse_reads_vllm_payloads():
         ("not a list", "malformed_payload"),
         ([1.0], "malformed_payload"),
         (["ts", []], "bad_field"),
-        ([1.0, [{"type": "BlockEvicted", "block_hashes": []}]], "unknown_event"),
-        ([1.0, [["BlockStored"]]], "bad_field"),
-        ([1.0, [_raw(token_ids=[1, 2, 3])]], "bad_field"),
-        ([1.0, [_raw(block_hashes=[1, 2])]], "bad_field"),
-        ([1.0, [_raw(block_hashes="x")]], "bad_field"),
-        ([1.0, [_raw(block_size=0)]], "bad_field"),
-        ([1.0, [_raw(token_ids=[1, 2, "3", 4])]], "bad_field"),
-        ([1.0, [_raw(medium=3)]], "bad_field"),
-        ([1.0, [_raw(extra_keys=[None, None])]], "bad_field"),
-        ([1.0, [_raw(parent_block_hash=1.5)]], "bad_field"),
         ([1.0, [], "rank"], "bad_field"),
     ],
 )
@@ -152,3 +143,32 @@ def test_parse_rejects_malformed_payloads(payload, reason):
     with pytest.raises(BadEvent) as info:
         parse_payload(payload)
     assert info.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        ({"type": "BlockEvicted", "block_hashes": []}, "unknown_event"),
+        (["BlockStored"], "bad_field"),
+        (_raw(token_ids=[1, 2, 3]), "bad_field"),
+        (_raw(block_hashes=[1, 2]), "bad_field"),
+        (_raw(block_hashes="x"), "bad_field"),
+        (_raw(block_size=0), "bad_field"),
+        (_raw(token_ids=[1, 2, "3", 4]), "bad_field"),
+        (_raw(medium=3), "bad_field"),
+        (_raw(extra_keys=[None, None]), "bad_field"),
+        (_raw(parent_block_hash=1.5), "bad_field"),
+        (_raw(group_idx="0"), "bad_field"),
+        (_raw(group_idx=-1), "bad_field"),
+        (_raw(kv_cache_spec_kind=5), "bad_field"),
+        (_raw(kv_cache_spec_sliding_window="512"), "bad_field"),
+        ({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU", "group_idx": 1.0},
+         "bad_field"),
+    ],
+)
+def test_a_malformed_event_is_left_out_alone(event, reason):
+    """Only the malformed event is dropped: the valid events around it in the batch stay."""
+    good = _raw(block_hashes=[5])
+    parsed = parse_payload([1.0, [good, event, good], 0])
+    assert [b.reason for b in parsed.bad] == [reason]
+    assert len(parsed.events) == 2 and all(e.hashes == [5] for e in parsed.events)

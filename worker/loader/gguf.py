@@ -16,7 +16,6 @@ interleaved for its rotary kernel; `_unpermute` puts them back in HF's order.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -26,12 +25,13 @@ import numpy as np
 import torch
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from safetensors.torch import save_file
 
 from worker.kernels.blocks import BLOCK, Blocks
+from worker.loader.gguf_transformers import ARCHITECTURES as OTHER_ARCHITECTURES
+from worker.loader.gguf_transformers import convert_with_transformers
+from worker.loader.shards import save_shards
 
 ARCHITECTURES = ("llama",)  # Llama 2/3, Mistral and SmolLM GGUFs all say "llama"
-SHARD_BYTES = 2 << 30  # float32 shards of at most ~2 GiB, listed in model.safetensors.index.json
 
 # GGUF tensor name inside block N -> HF name inside `model.layers.N.`
 _LAYER_NAMES = {
@@ -62,10 +62,14 @@ def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
     gguf_file, dest = Path(gguf_file), Path(dest)
     reader = GGUFReader(gguf_file)
     arch = reader.fields["general.architecture"].contents()
+    if arch in OTHER_ARCHITECTURES:
+        convert_with_transformers(gguf_file, arch, dest)
+        return
     if arch not in ARCHITECTURES:
         raise ValueError(
-            f"{gguf_file.name}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)}); use an HF model directory instead"
+            f"{gguf_file.name}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join([*ARCHITECTURES, *OTHER_ARCHITECTURES])}); use an HF model directory "
+            "instead"
         )
     with tempfile.TemporaryDirectory(prefix="radixray-gguf-") as alone:
         # transformers reads the folder too: tokenizer files beside the GGUF would override its
@@ -79,7 +83,7 @@ def convert_gguf(gguf_file: str | Path, dest: str | Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     tensors = hf_tensors(reader, config.num_attention_heads, config.num_key_value_heads)
-    _save_shards(tensors, dest)
+    save_shards(tensors, dest)
 
 
 def hf_tensors(
@@ -154,33 +158,3 @@ def blocks_from_raw(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> 
         return Blocks(4, q, d, -8.0 * d)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     return Blocks(4, q, d, m)
-
-
-def _save_shards(tensors: Iterator[tuple[str, torch.Tensor]], dest: Path) -> None:
-    """One `model.safetensors`, or shards of at most SHARD_BYTES and their index; a shard is
-    written as soon as it is full, so at most one shard is held in memory."""
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
-    files: list[list[str]] = []  # the tensor names of each written shard
-
-    def flush() -> None:
-        files.append(list(shard))
-        save_file(shard, str(dest / f"model-{len(files):05d}.safetensors"), {"format": "pt"})
-        shard.clear()
-
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > SHARD_BYTES:
-            flush()
-            size = 0
-        shard[name] = tensor
-        size += nbytes
-    if not files:
-        save_file(shard, str(dest / "model.safetensors"), metadata={"format": "pt"})
-        return
-    flush()
-    weight_map = {
-        name: f"model-{i:05d}.safetensors" for i, names in enumerate(files, 1) for name in names
-    }
-    index = {"metadata": {}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

@@ -20,7 +20,7 @@ router drops everything it had for that worker. `purge()` does the same on the b
 
 Bad input never stops the stream: each malformed frame, payload or event is counted in
 `outcomes` (by reason; `radixray route` exports them as `radixray_engine_events_total`),
-logged once per reason, and skipped.
+logged once per reason, and skipped: a malformed event alone, not the rest of its batch.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class EngineEventStream:
     def purge(self, reason: str) -> None:
         """Forget everything the engine held (it restarted): a new epoch, an empty mirror."""
         self._count(reason)
-        self.mirror.clear()
+        self.mirror = EngineMirror(self.mirror.block_size)  # its groups too: another model?
         self.epoch += 1
         self.seq = 0
         self._batches.clear()
@@ -194,15 +194,17 @@ class EngineEventStream:
     def _apply(self, seq: int, payload: bytes) -> None:
         self.engine_seq = seq
         try:
-            events = parse_payload(msgpack.unpackb(payload, raw=False, strict_map_key=False))
+            parsed = parse_payload(msgpack.unpackb(payload, raw=False, strict_map_key=False))
         except BadEvent as exc:
             self._reject(exc.reason, str(exc))
             return
         except (ValueError, TypeError, msgpack.exceptions.ExtraData) as exc:
             self._reject("malformed_payload", repr(exc))
             return
+        for exc in parsed.bad:
+            self._reject(exc.reason, str(exc))
         skipped = sum(self.mirror.skipped.values())
-        routed = self.mirror.apply(events)
+        routed = self.mirror.apply(parsed.events)
         if sum(self.mirror.skipped.values()) > skipped:
             self._count("skipped_blocks")
         self._count("applied")

@@ -22,6 +22,18 @@ Blocks with other extra keys (multimodal inputs, prompt embeddings) are not inde
 token ids do not identify their content. Media: `GPU` (or none) is the device tier, `CPU` the
 host tier; other media (disk, remote) are not indexed. A block whose parent the mirror does
 not know (events missed before a resync) cannot be chained and is skipped.
+
+KV groups (hybrid models): vLLM tags each event with its cache group (`group_idx`; stores also
+`kv_cache_spec_kind` and `kv_cache_spec_sliding_window`) and sends every group's events of a
+step in one batch. Block hashes are equal across groups. A sliding-window group stores only
+the blocks of the last window, yet its event carries every token since its parent (or since
+the sequence start, with a null parent): the hashes are the event's LAST blocks. Decode steps
+send sliding-group events with no hash at all. Copies are counted per (medium, group, hash):
+vLLM keeps duplicate physical copies and removes each with its own `BlockRemoved`. The router
+events carry the group as `mem_cache.events.KVGroup`; events without `group_idx` (older vLLM,
+SGLang) carry none, as before. Within a batch, full-attention stores are applied first, so
+that a sliding group's blocks take the chain (and the namespace: the cache salt sits only in a
+sequence's first block) its full-attention twin gave them.
 """
 
 from __future__ import annotations
@@ -32,17 +44,31 @@ from dataclasses import dataclass
 
 from mem_cache.events import (
     DEVICE,
+    FULL_ATTENTION,
     HOST,
+    RECURRENT,
+    SLIDING_WINDOW,
     AllCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
+    KVGroup,
     extend_block_states,
     hash_block_states,
 )
 
 MEDIA = {None: DEVICE, "GPU": DEVICE, "CPU": HOST}
 EngineHash = int | bytes
+# vLLM's `kv_cache_spec_kind`s -> how a group's blocks allow a resume; other kinds (chunked
+# local attention, encoder, cross attention, unknown) are not indexed
+KINDS = {
+    "full_attention": FULL_ATTENTION,
+    "mla_attention": FULL_ATTENTION,
+    "sink_full_attention": FULL_ATTENTION,
+    "sliding_window": SLIDING_WINDOW,
+    "sliding_window_mla": SLIDING_WINDOW,
+    "mamba": RECURRENT,
+}
 
 
 class BadEvent(ValueError):
@@ -62,12 +88,16 @@ class EngineStored:
     medium: str | None
     namespace: str | None
     opaque: bool  # extra keys other than the LoRA name and cache salt: not indexable
+    group: int | None = None  # vLLM's group_idx; None: the engine sends no groups
+    kind: str | None = None  # its kv_cache_spec_kind
+    window: int | None = None  # its kv_cache_spec_sliding_window
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRemoved:
     hashes: list[EngineHash]
     medium: str | None
+    group: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +154,12 @@ def _namespace(lora_name: str | None, extra_keys: object, n: int) -> tuple[str |
     return salt, opaque
 
 
+def _optional_int(raw: dict, key: str) -> int | None:
+    value = raw.get(key)
+    _need(value is None or type(value) is int, f"{key} must be an int or null")
+    return value
+
+
 def _stored(raw: dict) -> EngineStored:
     hashes = _hashes(raw)
     parent = raw.get("parent_block_hash")
@@ -133,38 +169,48 @@ def _stored(raw: dict) -> EngineStored:
           "token_ids must be a list of ints")
     block_size = raw.get("block_size")
     _need(type(block_size) is int and block_size > 0, "block_size must be a positive int")
-    _need(len(tokens) == len(hashes) * block_size,
-          "token_ids must hold block_size tokens per block")
+    # a sliding-window group's hashes are the last blocks of the tokens since the parent
+    _need(len(tokens) % block_size == 0 and len(hashes) <= len(tokens) // block_size,
+          "token_ids must hold whole blocks, at least one per hash")
     lora_name = _optional_str(raw, "lora_name")
     namespace, opaque = _namespace(lora_name, raw.get("extra_keys"), len(hashes))
-    group = raw.get("group_idx")
-    _need(group is None or type(group) is int, "group_idx must be an int or null")
-    opaque = opaque or bool(group)  # other KV cache groups (sliding window, mamba) share hashes
+    group = _optional_int(raw, "group_idx")
+    _need(group is None or group >= 0, "group_idx must be >= 0")
+    kind = _optional_str(raw, "kv_cache_spec_kind")
+    window = _optional_int(raw, "kv_cache_spec_sliding_window")
     medium = _optional_str(raw, "medium")
-    return EngineStored(hashes, parent, tokens, block_size, medium, namespace, opaque)
+    return EngineStored(hashes, parent, tokens, block_size, medium, namespace, opaque, group,
+                        kind, window)
 
 
-def _event(raw: object) -> EngineEvent | None:
+def _event(raw: object) -> EngineEvent:
     if not isinstance(raw, dict):
         raise BadEvent("bad_field", "an event must be a map")
     kind = raw.get("type")
     if kind == "BlockStored":
         return _stored(raw)
     if kind == "BlockRemoved":
-        group = raw.get("group_idx")
-        _need(group is None or type(group) is int, "group_idx must be an int or null")
-        hashes = _hashes(raw)
-        return None if group else EngineRemoved(hashes, _optional_str(raw, "medium"))
+        group = _optional_int(raw, "group_idx")
+        return EngineRemoved(_hashes(raw), _optional_str(raw, "medium"), group)
     if kind == "AllBlocksCleared":
         return EngineCleared()
     raise BadEvent("unknown_event", f"unknown event type {kind!r}")
 
 
-def parse_payload(payload: object) -> list[EngineEvent]:
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """One payload's valid events, in order, and the malformed ones left out."""
+
+    events: list[EngineEvent]
+    bad: list[BadEvent]
+
+
+def parse_payload(payload: object) -> Parsed:
     """Events of one decoded payload `[ts, events, data_parallel_rank?]`, validated.
 
-    Raises `BadEvent` on any malformed part: the whole batch is then rejected, so the mirror
-    never applies half a batch. Removals from other KV cache groups are dropped (None).
+    A malformed payload raises `BadEvent` naming why (nothing of it is applied); a malformed
+    event inside a valid payload is left out on its own (`Parsed.bad`): the other events of
+    the batch, other groups' among them, still count.
     """
     if not isinstance(payload, list) or len(payload) not in (2, 3):
         raise BadEvent("malformed_payload", "the payload must be [ts, events, dp_rank]")
@@ -173,8 +219,13 @@ def parse_payload(payload: object) -> list[EngineEvent]:
     _need(isinstance(events, list), "events must be a list")
     if len(payload) == 3:
         _need(payload[2] is None or type(payload[2]) is int, "data_parallel_rank must be an int")
-    parsed = [_event(raw) for raw in events]
-    return [e for e in parsed if e is not None]
+    parsed, bad = [], []
+    for raw in events:
+        try:
+            parsed.append(_event(raw))
+        except BadEvent as exc:
+            bad.append(exc)
+    return Parsed(parsed, bad)
 
 
 # --- the mirror ---------------------------------------------------------------------------------
@@ -190,11 +241,21 @@ class _Chain:
     ours: list[int]
 
 
+Held = tuple[str, int | None]  # (medium, group index or None)
+
+
+def _first(event: EngineEvent) -> bool:
+    """Applied first within a batch: full-attention (or group-less) stores."""
+    return isinstance(event, EngineStored) and KINDS.get(event.kind, FULL_ATTENTION) == (
+        FULL_ATTENTION)
+
+
 class EngineMirror:
     """One engine's cache in engine hashes, mapped to the router's hashes at `block_size`.
 
     `apply(events)` returns the router events that mirror the change; `snapshot()` the events
     that rebuild the whole of it from empty. `skipped` counts blocks not indexed, by reason.
+    `groups` holds the engine's KV groups as its stores described them.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -202,7 +263,9 @@ class EngineMirror:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.chains: dict[EngineHash, _Chain] = {}
-        self.held: dict[str, dict[EngineHash, int]] = {DEVICE: {}, HOST: {}}  # -> copies
+        # (medium, group) -> engine hash -> copies
+        self.held: dict[Held, dict[EngineHash, int]] = {(DEVICE, None): {}, (HOST, None): {}}
+        self.groups: dict[int, KVGroup | None] = {}  # None: a kind the router does not index
         self.skipped: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -215,7 +278,7 @@ class EngineMirror:
 
     def apply(self, events: Sequence[EngineEvent]) -> list[KVEvent]:
         out: list[KVEvent] = []
-        for event in events:
+        for event in _full_attention_first(events):
             if isinstance(event, EngineStored):
                 out.extend(self._store(event))
             elif isinstance(event, EngineRemoved):
@@ -226,20 +289,47 @@ class EngineMirror:
         return out
 
     def snapshot(self) -> list[KVEvent]:
-        """`AllCleared` then every held block's router hashes, per tier, in storing order."""
+        """`AllCleared` then every held block's router hashes, per tier and group, in storing
+        order."""
         out: list[KVEvent] = [AllCleared()]
-        for medium, blocks in self.held.items():
+        for (medium, index), blocks in self.held.items():
             hashes = [h for e in blocks for h in self.chains[e].ours]
             if hashes:
-                out.append(BlockStored(hashes, None, medium))
+                group = None if index is None else self.groups[index]
+                out.append(BlockStored(hashes, None, medium, group))
         return out
+
+    def _group(self, event: EngineStored) -> KVGroup | None | bool:
+        """The router's group of a stored event; False: not indexed. Events of a group
+        without a kind (a vLLM that sends only `group_idx`) count as full attention in group
+        0 and are not indexed in the others, as group-less engines are."""
+        if event.group is None:
+            return None
+        if event.kind is None:
+            return None if event.group == 0 else False
+        kind = KINDS.get(event.kind)
+        window = event.window if kind == SLIDING_WINDOW else None
+        try:
+            group = None if kind is None else KVGroup(event.group, kind, window)
+        except ValueError:
+            group = None
+        known = self.groups.setdefault(event.group, group)
+        return False if known is None or known != group else group
 
     def _store(self, event: EngineStored) -> list[KVEvent]:
         medium = MEDIA.get(event.medium)
+        group = self._group(event)
         n = len(event.hashes)
-        if medium is None or event.opaque:
+        if medium is None or event.opaque or group is False or (
+                medium == HOST and group is not None and group.kind != FULL_ATTENTION):
             self.skipped["unsupported"] += n
             return []
+        if n == 0:
+            return []  # a decode step's sliding-window event: nothing of it is kept
+        key = (medium, None if group is None else group.index)
+        known = [self.chains.get(h) for h in event.hashes]
+        if all(chain is not None for chain in known):  # another group's twins placed them
+            return self._hold(key, group, event.hashes, known)
         if event.parent is None:
             end, state, namespace = 0, 0, event.namespace
         else:
@@ -249,27 +339,47 @@ class EngineMirror:
                 return []
             end, state, namespace = parent.end, parent.state, parent.namespace
         size = event.block_size
-        stored: list[int] = []
-        for i, h in enumerate(event.hashes):
-            tokens = event.token_ids[i * size:(i + 1) * size]
-            chain = self.chains.get(h)
+        # Without twins, a window's hashes are taken as the last blocks: vLLM keeps a
+        # finished prompt's last window (and, past a shared prefix, the window before it)
+        first = len(event.token_ids) // size - n  # blocks before the hashed ones
+        chains: list[_Chain] = []
+        for i in range(first + n):
+            h = event.hashes[i - first] if i >= first else None
+            chain = None if h is None else self.chains.get(h)
             if chain is None:
+                tokens = event.token_ids[i * size:(i + 1) * size]
                 states, state = extend_block_states(tokens, end, state, self.block_size)
                 chain = _Chain(end + len(tokens), state, namespace, hash_block_states(
                     states, namespace))
-                self.chains[h] = chain
+                if h is not None:
+                    self.chains[h] = chain
             end, state = chain.end, chain.state
-            held = self.held[medium]
+            if h is not None:
+                chains.append(chain)
+        return self._hold(key, group, event.hashes, chains)
+
+    def _hold(self, key: Held, group: KVGroup | None, hashes: list[EngineHash],
+              chains: Sequence[_Chain | None]) -> list[KVEvent]:
+        """One more copy of each block in `key`; the router events of the first copies."""
+        held = self.held.setdefault(key, {})
+        stored: list[int] = []
+        for h, chain in zip(hashes, chains, strict=True):
             held[h] = held.get(h, 0) + 1
             if held[h] == 1:
                 stored.extend(chain.ours)
-        return [BlockStored(stored, None, medium)] if stored else []
+        return [BlockStored(stored, None, key[0], group)] if stored else []
 
     def _remove(self, event: EngineRemoved) -> list[KVEvent]:
         medium = MEDIA.get(event.medium)
         if medium is None:
             return []
-        held = self.held[medium]
+        index = event.group
+        if index == 0 and 0 not in self.groups:
+            index = None  # a kind-less group 0 is stored group-less (see `_group`)
+        group = None if index is None else self.groups.get(index)
+        held = self.held.get((medium, index))
+        if held is None or (index is not None and group is None):
+            return []  # a group never indexed
         removed: list[int] = []
         for h in event.hashes:
             copies = held.get(h)
@@ -279,8 +389,24 @@ class EngineMirror:
                 held[h] = copies - 1
                 continue
             del held[h]
-            chain = self.chains[h]
-            removed.extend(chain.ours)
+            removed.extend(self.chains[h].ours)
             if not any(h in blocks for blocks in self.held.values()):
                 del self.chains[h]
-        return [BlockRemoved(removed, medium)] if removed else []
+        return [BlockRemoved(removed, medium, group)] if removed else []
+
+
+def _full_attention_first(events: Sequence[EngineEvent]) -> list[EngineEvent]:
+    """The batch with, between clears, full-attention stores ahead of the other events (each
+    group's own events keep their order: groups are independent but for the chains)."""
+    out: list[EngineEvent] = []
+    segment: list[EngineEvent] = []
+    for event in [*events, None]:
+        if event is None or isinstance(event, EngineCleared):
+            out.extend(e for e in segment if _first(e))
+            out.extend(e for e in segment if not _first(e))
+            segment = []
+            if event is not None:
+                out.append(event)
+        else:
+            segment.append(event)
+    return out
