@@ -10,8 +10,12 @@ them creates or kills a worker. Scaling (add, remove) is asked of the fleet, onc
 routers.
 
 The fleet is stopped explicitly (`stop_fleet`: `radixray serve` on exit, or whoever deployed
-it), never by a router's death. Its workers are Ray children of the fleet actor, so the fleet's
-own death takes them with it: the fleet does nothing but start, ping, add and remove workers.
+it), never by a router's death. Nor by its own: the workers and their placement groups are
+detached, named Ray objects (`cluster/adoption.py`), not children of the fleet's process. When
+that process dies, Ray restarts the actor (`max_restarts=-1`) and the new one adopts the running
+workers, their caches intact, before it answers anyone; its version numbers start above the old
+ones (they count from the clock), so every router's next long poll answers at once with the
+same members. Meanwhile routers serve on the workers they know, and admin calls get 503.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster import adoption
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
 from cluster.vllm_worker import VllmConfig
@@ -52,22 +59,35 @@ class Member:
 
 
 class FleetActor:
-    """The `WorkerPool` of a cluster in its own actor, plus a version bumped on every change."""
+    """The `WorkerPool` of a cluster in its own actor, plus a version bumped on every change.
+
+    A new actor first adopts whatever workers of its fleet still run (a restart by Ray, or a
+    fleet created again by name): it counts as started then, and `start` does nothing more."""
 
     def __init__(self, config: ClusterConfig, device: str, bundle: dict[str, float],
                  fixed: bool) -> None:
-        placement = Placement(bundle, fixed=fixed, notify=_echo)
-        self.pool = WorkerPool(config, device, placement, on_change=self._changed)
-        self.version = 0
+        found = adoption.find(config.fleet_name, config.namespace)
+        pool_id = found.pool_id or uuid.uuid4().hex[:8]
+        names = adoption.group_name(config.fleet_name, pool_id, "")
+        placement = Placement(bundle, fixed=fixed, notify=_echo, names=names)
+        self.pool = WorkerPool(config, device, placement, on_change=self._changed,
+                               pool_id=pool_id)
+        self.version = time.time_ns() // 1000  # above any version a previous actor gave out
         self._bumped = asyncio.Event()
         self._started = asyncio.Event()  # set once a start has succeeded
         self._start: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
+        self.adopted = self.pool.adopt(found)
+        if self.adopted:
+            self._started.set()
 
     async def start(self, count: int) -> None:
         """Start `count` workers and wait for their models; every caller waits for the same
         start (the first caller's count wins). A start that failed is cleaned up and may be
         tried again."""
+        if self._started.is_set():
+            self._watching()
+            return
         if self._start is None:
             self._start = asyncio.get_running_loop().create_task(self.pool.start(count))
         task = self._start
@@ -79,14 +99,20 @@ class FleetActor:
                 self.pool.shutdown()
                 self._changed()
             raise
-        if self._watch is None:
-            self._watch = asyncio.get_running_loop().create_task(self.pool.watch())
+        self._watching()
         self._started.set()
 
     async def started(self) -> None:
         """Returns once the fleet's start has succeeded (at once after that): a router that
         loads beside the workers waits here before it serves."""
         await self._started.wait()
+        self._watching()
+
+    def _watching(self) -> None:
+        """Start the watcher once the fleet has workers (an adopting actor: at its first call
+        on the loop)."""
+        if self._watch is None:
+            self._watch = asyncio.get_running_loop().create_task(self.pool.watch())
 
     def members(self) -> tuple[int, list[Member]]:
         """(version, every worker) now."""
@@ -97,6 +123,8 @@ class FleetActor:
 
     async def changes(self, version: int, timeout_s: float) -> tuple[int, list[Member]]:
         """`members()` once the version differs from `version`, or after `timeout_s`."""
+        if self._started.is_set():
+            self._watching()
         if version == self.version:
             bumped = self._bumped
             try:
@@ -110,8 +138,13 @@ class FleetActor:
         ids = await self.pool.add(count)
         return [m for m in self.members()[1] if m.worker_id in ids]
 
-    async def remove(self, worker_id: str) -> bool:
-        """Kill the worker and free its bundle; False when there is no such worker."""
+    async def remove(self, worker_id: str, deadline: float | None = None) -> bool:
+        """Kill the worker and free its bundle; False when there is no such worker.
+
+        `deadline` (`time.time()`): a call that reaches the fleet later does nothing and raises
+        TimeoutError: its caller has given up (the fleet was away) and told its client so."""
+        if deadline is not None and time.time() > deadline:
+            raise TimeoutError(f"removing {worker_id} was asked too long ago")
         if worker_id not in self.pool.workers:
             return False
         await self.pool.remove(worker_id)
@@ -184,13 +217,19 @@ def find_fleet(config: ClusterConfig) -> Any | None:
         return None
 
 
-def stop_fleet(fleet: Any, timeout_s: float = 60.0) -> None:
-    """Kill the fleet's workers, free their bundles, then kill the fleet actor."""
+def stop_fleet(fleet: Any, config: ClusterConfig | None = None, timeout_s: float = 60.0) -> None:
+    """Kill the fleet's workers, free their bundles, then kill the fleet actor. A fleet actor
+    that does not answer has its workers and groups killed by name from here (given `config`)."""
     try:
         ray.get(fleet.stop.remote(), timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a fleet already dead took its workers along
+    except Exception as exc:  # noqa: BLE001 - dead or hung: its workers are found by name
         log.warning("stopping the fleet: %r", exc)
     ray.kill(fleet, no_restart=True)
+    if config is None:
+        return
+    left = adoption.kill_all(config.fleet_name, config.namespace)
+    if left:
+        log.warning("killed %d worker(s) the fleet left running", left)
 
 
 def _fleet_options(config: ClusterConfig, get_if_exists: bool = False) -> Any:
@@ -203,6 +242,6 @@ def _fleet_options(config: ClusterConfig, get_if_exists: bool = False) -> Any:
         lifetime="detached",  # outlives the driver, the router and the Serve replica
         get_if_exists=get_if_exists,
         num_cpus=0,  # it only waits on its workers; CPUs go to them
-        max_restarts=0,  # a new fleet would be empty: its workers die with the old one
+        max_restarts=-1,  # a restarted fleet adopts the running workers (module docstring)
         scheduling_strategy=here,
     )

@@ -99,7 +99,7 @@ class Launcher:
                     log.warning("stopping a router: %r", exc)
                 ray.kill(router, no_restart=True)
             if self.fleet is not None:
-                stop_fleet(self.fleet)
+                stop_fleet(self.fleet, self.config)
         self.routers, self.fleet = [], None
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()

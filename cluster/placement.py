@@ -6,6 +6,9 @@ before any model loads. A placement group cannot grow, so a worker added live ge
 one-bundle group; a removed worker's bundle of the initial group is kept and handed to the next
 worker added, so scaling down then up again costs no new reservation.
 
+Groups are detached and named (`names`, a prefix: `cluster/adoption.py`), so that they outlive
+the fleet actor that created them, and a fleet actor restarted by Ray takes them over (`adopt`).
+
 A group Ray cannot place at once is explained rather than waited on in silence: after
 `GRACE_S` still pending, `shortage` names each resource the bundles lack, how much is asked and
 how much the cluster has free of its total, and Ray's verdict on the group (`INFEASIBLE`: no
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +44,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.adoption import INITIAL, LIVE
+
 log = logging.getLogger("radixray.cluster")
 
 GRACE_S = 3.0  # a group pending longer is diagnosed (one that fits takes < 1 s)
@@ -49,11 +55,13 @@ EPS = 1e-6  # Ray counts resources in units of 1e-4
 
 @dataclass(frozen=True)
 class Slot:
-    """One reserved bundle: `owned` is True when the group holds only this bundle."""
+    """One reserved bundle: `owned` is True when the group holds only this bundle; `name` is the
+    group's own part of its Ray name (`init-*` or `live-*`)."""
 
     group: PlacementGroup
     bundle_index: int
     owned: bool
+    name: str = ""
 
     def strategy(self) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -92,17 +100,20 @@ class Placement:
     """Hands out bundles of `bundle` resources; releases them when workers go.
 
     `fixed`: the cluster cannot grow, so a shortage fails at once (module docstring); `notify`
-    receives the messages of a wait (default: the log)."""
+    receives the messages of a wait (default: the log); `names`: the prefix of the groups'
+    Ray names (`cluster/adoption.py`; "": unnamed groups that die with their creator)."""
 
     def __init__(
         self,
         bundle: dict[str, float],
         fixed: bool = False,
         notify: Callable[[str], None] | None = None,
+        names: str = "",
     ) -> None:
         self.bundle = dict(bundle)
         self.fixed = fixed
         self.notify = notify or log.warning
+        self.names = names
         self.waiting = 0  # groups being waited for now
         self._groups: list[PlacementGroup] = []
         self._free: list[Slot] = []  # bundles of the initial group whose worker was removed
@@ -111,17 +122,48 @@ class Placement:
         """Reserve `count` bundles in one SPREAD group; PlacementError if Ray cannot place them."""
         if count == 0:
             return []
-        group = placement_group([dict(self.bundle)] * count, strategy="SPREAD")
+        name, group = self._group(INITIAL, count)
         await self._wait(group, count, timeout_s)
-        return [Slot(group, i, owned=False) for i in range(count)]
+        return [Slot(group, i, owned=False, name=name) for i in range(count)]
 
     async def acquire(self, timeout_s: float) -> Slot:
         """One bundle for a worker added live: a freed one if any, else a new group of one."""
         if self._free:
             return self._free.pop()
-        group = placement_group([dict(self.bundle)], strategy="SPREAD")
+        name, group = self._group(LIVE, 1)
         await self._wait(group, 1, timeout_s)
-        return Slot(group, 0, owned=True)
+        return Slot(group, 0, owned=True, name=name)
+
+    def adopt(
+        self, groups: dict[str, PlacementGroup], used: set[tuple[str, int]]
+    ) -> dict[str, Slot]:
+        """Take over the groups a previous fleet actor left (by their names' own part), with
+        the bundles its workers hold (`used`: (name, bundle index)); returns the slot of each
+        used bundle by `"{name}#{index}"`. An initial group's unused bundles become free; a
+        live group without its worker (an add cut short) is removed."""
+        slots: dict[str, Slot] = {}
+        for name, group in sorted(groups.items()):
+            owned = name.startswith(LIVE)
+            indexes = range(len(group.bundle_specs))
+            if owned and (name, 0) not in used:
+                remove_placement_group(group)
+                continue
+            self._groups.append(group)
+            for i in indexes:
+                slot = Slot(group, i, owned=owned, name=name)
+                if (name, i) in used:
+                    slots[f"{name}#{i}"] = slot
+                else:
+                    self._free.append(slot)
+        return slots
+
+    def _group(self, kind: str, count: int) -> tuple[str, PlacementGroup]:
+        """A new group of `count` bundles: detached and named when `names` is set."""
+        name = f"{kind}-{uuid.uuid4().hex[:8]}"
+        if not self.names:
+            return name, placement_group([dict(self.bundle)] * count, strategy="SPREAD")
+        return name, placement_group([dict(self.bundle)] * count, strategy="SPREAD",
+                                     name=self.names + name, lifetime="detached")
 
     def release(self, slot: Slot) -> None:
         """Give back a removed worker's bundle (its actor must be gone already)."""

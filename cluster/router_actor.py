@@ -25,14 +25,16 @@ import logging
 import os
 import socket
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
 import uvicorn
+from ray.exceptions import RayActorError
 
 from cluster.config import ClusterConfig
 from cluster.fleet import find_fleet
-from cluster.router_link import build_router
+from cluster.router_link import FLEET_RETRY_S, build_router
 from router.api.http_server import server_config
 
 log = logging.getLogger("radixray.cluster")
@@ -86,7 +88,7 @@ class RouterActor:
         if fleet is None:
             raise RuntimeError(f"no fleet named {self.config.fleet_name!r} runs on this Ray")
         app, link = build_router(self.config, self.model_dir, fleet)  # loads the tokenizer
-        await fleet.started.remote()  # serve once the workers are up
+        await _past_fleet_restarts(fleet.started.remote)  # serve once the workers are up
         limit = app.state.router.config.max_header_bytes
         uv = server_config(
             _RouterHeader(app, str(os.getpid()).encode()), limit, log_level="warning",
@@ -103,7 +105,7 @@ class RouterActor:
         if serving.done():
             serving.result()
             raise RuntimeError(f"a router could not listen on {self.config.url()}")
-        await link.join()
+        await _past_fleet_restarts(link.join)
         follow = asyncio.create_task(link.follow())
         self._started.set_result(None)
         await serving
@@ -117,6 +119,19 @@ class RouterActor:
         else:
             for task in asyncio.all_tasks(self._loop):
                 task.cancel()
+
+
+async def _past_fleet_restarts(call: Callable[[], Awaitable[Any]]) -> Any:
+    """`await call()`, again after a second while the fleet actor is away (Ray restarts it): a
+    replica that Ray restarts while the fleet is restarting too must still come to serve, not
+    stay up without listening (seen in the chaos soak: both replicas then refused every
+    connection)."""
+    while True:
+        try:
+            return await call()
+        except RayActorError as exc:
+            log.warning("joining the fleet: %s; trying again", type(exc).__name__)
+            await asyncio.sleep(FLEET_RETRY_S)
 
 
 def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -20,12 +20,18 @@ Admin calls (`FleetControl`): add asks the fleet for a worker, waits for its mod
 its backend to this router (other routers see it in the fleet's next change); drain / remove
 stop routing here first (a drain waits for this router's in-flight requests), then ask the
 fleet to kill the actor and free its bundle.
+
+While the fleet actor is away (dead and being restarted by Ray, or hung), the router goes on
+serving on the workers it knows; an admin call that cannot reach the fleet within
+`FLEET_CALL_S` answers 503 (`fleet_unavailable`), and a remove asked meanwhile is undone: the
+worker, still in the fleet, is attached again at the fleet's next change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -43,7 +49,8 @@ from router.errors import APIError
 log = logging.getLogger("radixray.cluster")
 
 CHANGES_POLL_S = 10.0  # the fleet answers a change at once; this only bounds one long poll
-FLEET_RETRY_S = 1.0  # after a failed poll (the fleet is being stopped, or busy)
+FLEET_RETRY_S = 1.0  # after a failed poll (the fleet is being stopped, or restarted)
+FLEET_CALL_S = 10.0  # an admin call that cannot reach the fleet in this time answers 503
 
 
 class FleetLink:
@@ -71,7 +78,7 @@ class FleetLink:
         while True:
             try:
                 version, members = await self.fleet.changes.remote(self.version, CHANGES_POLL_S)
-            except RayActorError as exc:
+            except (RayActorError, RayTaskError) as exc:  # away, or restarting
                 log.warning("the fleet does not answer: %s", type(exc).__name__)
                 await asyncio.sleep(FLEET_RETRY_S)
                 continue
@@ -120,19 +127,46 @@ class FleetControl:
         """Start one worker; returns its backend once its model is loaded (the router then
         registers it; the fleet's change that announces it is not attached again here).
 
-        No room on the cluster, or a worker that fails to load: 503 with the reason."""
+        No room on the cluster, or a worker that fails to load: 503 with the reason; no fleet
+        to ask: 503 `fleet_unavailable`."""
+        await self._reach()
         try:
             [member] = await self.link.fleet.add.remote(1)
-        except (RayTaskError, RayActorError) as exc:
+        except RayTaskError as exc:
             cause = getattr(exc, "cause", None) or exc
             raise APIError(503, f"could not add a worker: {cause}",
                            code="worker_unavailable") from exc
+        except RayActorError as exc:
+            raise _away(exc) from exc
         return self.link.adopt(member)
 
     async def remove_worker(self, worker_id: str) -> None:
-        """Kill the worker's actor and free its bundle (this router has already let go)."""
+        """Kill the worker's actor and free its bundle (this router has already let go).
+        No fleet to ask: 503, and the worker is attached again at the fleet's next change."""
         self.link.attached.pop(worker_id, None)
-        await self.link.fleet.remove.remote(worker_id)
+        deadline = time.time() + FLEET_CALL_S  # a fleet that gets the call later ignores it
+        try:
+            await asyncio.wait_for(_result(self.link.fleet.remove.remote(worker_id, deadline)),
+                                   FLEET_CALL_S)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            raise _away(exc) from exc
+
+    async def _reach(self) -> None:
+        """503 unless the fleet answers within `FLEET_CALL_S`."""
+        try:
+            await asyncio.wait_for(_result(self.link.fleet.members.remote()), FLEET_CALL_S)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+            raise _away(exc) from exc
+
+
+async def _result(ref: Any) -> Any:
+    return await ref
+
+
+def _away(exc: BaseException) -> APIError:
+    what = "did not answer in time" if isinstance(exc, asyncio.TimeoutError) else "is down"
+    return APIError(503, f"the worker fleet {what} (Ray restarts it); try again shortly",
+                    code="fleet_unavailable")
 
 
 def router_config(config: ClusterConfig, model_dir: str) -> RouterConfig:

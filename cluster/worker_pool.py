@@ -8,6 +8,9 @@ by the watcher, or answers again after Ray restarted it (a restarted actor is a 
 with an empty cache and a new event epoch, so routers re-add it from its snapshot; a vLLM
 worker restarted by Ray serves on new `endpoints`, which routers attach afresh).
 
+Workers are detached, named actors (`cluster/adoption.py`): they outlive the fleet actor, and a
+fleet actor that Ray restarted adopts them (`adopt`) with their caches.
+
 All methods run on the fleet actor's event loop, so the pool needs no locking.
 """
 
@@ -16,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from cluster import adoption
 from cluster.config import ClusterConfig
 from cluster.placement import Placement, Slot
 from cluster.vllm_worker import RemoteVllmWorker, VllmConfig
@@ -33,6 +36,7 @@ from worker.engine import EngineConfig
 log = logging.getLogger("radixray.cluster")
 
 PING_TIMEOUT_S = 30.0  # a loaded worker answers `ready` at once, even while it computes
+ADOPT_TIMEOUT_S = 10.0  # a worker found alive that does not answer in this time is taken as down
 
 
 @dataclass
@@ -96,6 +100,7 @@ class WorkerPool:
         device: str,
         placement: Placement,
         on_change: Callable[[], None] = lambda: None,
+        pool_id: str = "pool",
     ) -> None:
         self.config = config
         self.engine = engine_config(config, device)
@@ -104,8 +109,9 @@ class WorkerPool:
         self.workers: dict[str, Worker] = {}
         self.on_change = on_change
         self._next_index = 0
-        # Actor names are unique per pool: a Serve rollout runs an old and a new pool at once.
-        self.pool_id = uuid.uuid4().hex[:8]
+        # in the workers' names: a fleet started again under the same name never meets a name
+        # its predecessor's dying workers still hold
+        self.pool_id = pool_id
 
     async def start(self, count: int, progress: Callable[[Worker], None] | None = None) -> None:
         """Reserve `count` bundles, create the workers and wait until each has its model loaded."""
@@ -154,14 +160,46 @@ class WorkerPool:
         self.workers.clear()
         self.placement.remove_all()
 
+    def adopt(self, found: adoption.Found) -> int:
+        """Take over the workers and groups a previous fleet actor left running (blocking: the
+        fleet's `__init__`); returns how many workers were adopted. Each keeps its id, actor and
+        cache; one that does not answer within `ADOPT_TIMEOUT_S` is adopted `down` (Ray is
+        restarting it: the watcher reports it back)."""
+        used = {(w.group, w.bundle) for w in found.workers}
+        slots = self.placement.adopt(found.groups, used)
+        workers = [w for w in found.workers if f"{w.group}#{w.bundle}" in slots]
+        for stray in (w for w in found.workers if w not in workers):  # its group is gone
+            ray.kill(stray.actor, no_restart=True)
+        if not workers:
+            return 0
+        pings = [w.actor.ready.remote() for w in workers]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=ADOPT_TIMEOUT_S)
+        for w, ping in zip(workers, pings, strict=True):
+            worker = Worker(w.worker_id, w.actor, slots[f"{w.group}#{w.bundle}"], state="down")
+            if ping in answered:
+                try:
+                    worker.served(ray.get(ping))
+                    worker.state = "ready"
+                except (RayActorError, RayTaskError):
+                    pass
+            self.workers[w.worker_id] = worker
+            index = w.worker_id.rpartition("-")[2]
+            if index.isdigit():
+                self._next_index = max(self._next_index, int(index) + 1)
+        log.warning("the fleet adopted %d running worker(s): %s", len(workers),
+                    ", ".join(f"{w.worker_id} {w.state}" for w in self.workers.values()))
+        return len(workers)
+
     def _create(self, slot: Slot) -> Worker:
         worker_id = f"worker-{self._next_index}"
         self._next_index += 1
         resources = slot.group.bundle_specs[slot.bundle_index]
         actor_class = RemoteVllmWorker if isinstance(self.engine, VllmConfig) else WorkerActor
         actor = actor_class.options(
-            name=f"radixray-{self.pool_id}-{worker_id}",
+            name=adoption.worker_name(self.config.fleet_name, self.pool_id, worker_id,
+                                      slot.name, slot.bundle_index),
             namespace=self.config.namespace,
+            lifetime="detached",  # not fate-shared with the fleet actor (module docstring)
             num_cpus=resources.get("CPU", 0),
             num_gpus=resources.get("GPU", 0),
             max_restarts=self.config.max_restarts,

@@ -139,6 +139,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending: list[TokenChunk] = []  # chunks for the next step() to return
         self._prefill_tps = 0.0
+        self._prefill_weight = 0.0  # the decayed sum of the weights behind `_prefill_tps`
+        self._prefill_measured = 0  # prompt tokens `_prefill_tps` was measured over
         self._decode_step_s = 0.0
         self.num_steps = 0
         self.num_computed_tokens = 0  # tokens run through the model, all requests, all steps
@@ -214,8 +216,8 @@ class Engine:
             self.memory.radix.reset()
             self.memory.radix.take_events()
         self.events = EventLog(self.worker_id)
-        self._prefill_tps = self._decode_step_s = 0.0
-        self.num_steps = self.num_computed_tokens = 0
+        self._prefill_tps = self._decode_step_s = self._prefill_weight = 0.0
+        self.num_steps = self.num_computed_tokens = self._prefill_measured = 0
         self.check_integrity()
 
     # --- stepping ------------------------------------------------------------------------------
@@ -325,10 +327,16 @@ class Engine:
         router's cost model wants it) and of the time of a decode-only step."""
         if prefill_tokens:
             net = max(seconds - self._decode_step_s, 0.5 * seconds)
-            # A step of a few prefill tokens (a cache hit) is mostly fixed overhead: weight
-            # samples by size so such steps cannot drag the measured speed down.
+            # A step of a few prefill tokens (a cache hit, a short turn) is mostly fixed
+            # overhead: weight samples by size so such steps cannot drag the measured speed
+            # down, the first one included (a weighted mean, not a moving average seeded by
+            # whichever step came first: a new worker whose first prompt was short measured
+            # 855 tokens/s and kept it).
             weight = 0.2 * min(1.0, prefill_tokens / 256)
-            self._prefill_tps = _ema(self._prefill_tps, prefill_tokens / max(net, 1e-9), weight)
+            self._prefill_weight = (1 - weight) * self._prefill_weight + weight
+            sample = prefill_tokens / max(net, 1e-9)
+            self._prefill_tps += (sample - self._prefill_tps) * weight / self._prefill_weight
+            self._prefill_measured += prefill_tokens
         else:
             self._decode_step_s = _ema(self._decode_step_s, seconds)
 
@@ -375,6 +383,7 @@ class Engine:
             waiting_prefill_tokens=self.scheduler.waiting_prefill_tokens(),
             running_decode_tokens=self.scheduler.running_decode_tokens(),
             prefill_tokens_per_s=self._prefill_tps,
+            prefill_tokens_measured=self._prefill_measured,
             decode_step_s=self._decode_step_s,
             sessions=len(self.sessions),
             page_size=self.config.page_size,

@@ -110,6 +110,9 @@ class WorkerStats:
     waiting_prefill_tokens: int = 0
     running_decode_tokens: int = 0
     prefill_tokens_per_s: float = 0.0
+    # the prompt tokens that speed was measured over (its own traffic, since it joined): a
+    # figure over few of them is checked against the peers' (`router.routing.speeds`)
+    prefill_tokens_measured: int = 0
     decode_step_s: float = 0.0
     sessions: int = 0
     page_size: int = 1

@@ -309,6 +309,7 @@ class HttpBackend(Backend):
             kv_total=kv_total,
             kv_free=int(kv_total * (1.0 - (e.kv_usage or 0.0))),
             prefill_tokens_per_s=self.speed.prefill_tokens_per_s,
+            prefill_tokens_measured=self.speed.measured_tokens,
             decode_step_s=self.speed.decode_step_s,
             model=self.model or "",
         )

@@ -13,11 +13,12 @@ both slowed by the decode work that rides along every chunk:
 `prefill_budget` and `max_running` are the worker's own (its reported `EngineShape`).
 
 `speed` is `WorkerStats.prefill_tokens_per_s` once the worker has measured it, the fleet's
-median until then. `decode_step_s` is the fleet's fit of the step on decode context, read at the
-context booked on the worker now (`speeds`); without a fit (one worker, or all at one
-context), the worker's measured `WorkerStats.decode_step_s`, else the fleet's median or prior.
-`queue_s` is this router's booked queue (fresh) plus the reported waiting prefill of the
-requests it did not book (other routers').
+median until then, and while a figure far off the median rests on little of the worker's own
+traffic (`speeds.peer_checked`). `decode_step_s` is the fleet's fit of the step on decode
+context, read at the context booked on the worker now (`speeds`); without a fit (one worker,
+or all at one context), the worker's measured `WorkerStats.decode_step_s`, else the fleet's
+median or prior. `queue_s` is this router's booked queue (fresh) plus the reported waiting
+prefill of the requests it did not book (other routers').
 
 `RoutingCore` owns one `Estimator`; it fills `WorkerView.estimate` once per request for every
 candidate, books the chosen worker's prefill time, and weighs session pins with it.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from router.routing.candidates import Estimate, RouteRequest, WorkerView
-from router.routing.speeds import FleetSpeeds, denoise
+from router.routing.speeds import FleetSpeeds, denoise, peer_checked
 from worker.protocol import WorkerStats
 
 
@@ -49,6 +50,14 @@ class EstimateConfig:
     # measured speeds within this fraction of the fleet's median count as the median: workers
     # of one deployment differ by measurement noise, which must not decide where prefixes go
     speed_noise: float = 0.25
+    # a prefill speed more than this many times off the fleet's median, measured over fewer
+    # than `speed_trust_tokens` of the worker's own traffic, counts as the median
+    # (`speeds.peer_checked`: a worker added live under load measures a crowded moment). 32k:
+    # some 60 full prefill steps, over which the engine's weighted mean has forgotten its first
+    # ones; at 8k a new worker on a loaded 2-core machine was trusted at a third of its peer's
+    # speed after 17 requests, and got none again
+    speed_outlier: float = 3.0
+    speed_trust_tokens: int = 32768
     # the same for the decode step. It also differs with each worker's batch (size, context),
     # and a narrower band (0.1) lets a worker decoding long contexts be seen to prefill slower
     # (Mooncake matrix: better), but then stale reports stack chat sessions (docs/router.md)
@@ -82,7 +91,8 @@ class Estimator:
         # the speeds of a worker that has not measured itself yet, and the step's fit on
         # decode context (`speeds`)
         cfg = self.config
-        self.fleet = FleetSpeeds(cfg.prefill_tokens_per_s, cfg.decode_step_s, cfg.step_from_context)
+        self.fleet = FleetSpeeds(cfg.prefill_tokens_per_s, cfg.decode_step_s, cfg.step_from_context,
+                                 cfg.speed_trust_tokens)
 
     def observe_fleet(self, stats: Iterable[WorkerStats | None]) -> None:
         """Re-derive the fleet's speeds from the latest reports (`FleetSpeeds.observe`)."""
@@ -121,7 +131,8 @@ class Estimator:
             reported = stats.running + stats.waiting
             load = booked + view.foreign_requests
             if stats.prefill_tokens_per_s > 0:
-                speed = denoise(stats.prefill_tokens_per_s, speed, cfg.speed_noise)
+                measured = peer_checked(stats, speed, cfg.speed_outlier, cfg.speed_trust_tokens)
+                speed = denoise(measured, speed, cfg.speed_noise)
             if fleet.step_fit is not None:
                 intercept, slope = fleet.step_fit
                 foreign = view.foreign_requests / reported if reported else 0.0

@@ -214,4 +214,4 @@ def test_a_worker_that_cannot_load_is_refused_and_leaves_nothing(cluster):
             ray.get(fleet.add.remote(1))
         assert ray.get(fleet.members.remote())[1] == [] and ray.get(fleet.groups.remote()) == 0
     finally:
-        stop_fleet(fleet)
+        stop_fleet(fleet, config)

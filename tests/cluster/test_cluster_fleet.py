@@ -52,7 +52,7 @@ def served(helpers):
         serve.shutdown()
         fleet = find_fleet(config)
         if fleet is not None:
-            stop_fleet(fleet)
+            stop_fleet(fleet, config)
         ray.shutdown()
 
 

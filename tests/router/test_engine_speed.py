@@ -289,3 +289,15 @@ def test_http_backend_reads_the_engines_prefill_timings_between_scrapes():
     assert seen[:2] == [0.0, 0.0]  # three, then four points: 850, 100, 1600 (and 400) tokens
     assert seen[2] == pytest.approx(500.0)
     assert seen[3] == 0.0 and points == [300.0]  # the new process alone: one point
+
+
+def test_measured_tokens_are_the_timings_behind_the_speed_never_the_probes():
+    """A probed figure rests on none of the engine's own traffic (the router checks it against
+    the peers'); the timings' line rests on their uncached tokens."""
+    speed = EngineSpeed()
+    speed.calibrate(855.0, 0.01)
+    assert (speed.prefill_tokens_per_s, speed.measured_tokens) == (855.0, 0)
+    for n in (100, 400, 800, 1600):
+        speed.observe(n, 0.05 + n / 2000, 0.0, 0, queued_behind_own=False)
+    assert speed.prefill_tokens_per_s == pytest.approx(2000.0)
+    assert speed.measured_tokens == 2900

@@ -74,6 +74,7 @@ def test_warm_up_leaves_no_trace(reference, host_kv_tokens):
     s = engine.stats()
     assert (s.kv_free, s.kv_evictable, s.kv_host_free) == (s.kv_total, 0, s.kv_host_total)
     assert (s.prefill_tokens_per_s, s.decode_step_s, engine.num_steps) == (0.0, 0.0, 0)
+    assert s.prefill_tokens_measured == 0
     assert engine.take_event_batch() is None
     snapshot = decode_batch(engine.snapshot_batch())
     assert [type(e) for e in snapshot.events] == [AllCleared]
@@ -252,6 +253,7 @@ def test_stats_report_load_and_kv_accounting():
     run_to_completion(engine, after_step=checked)
     s = engine.stats()
     assert s.prefill_tokens_per_s > 0 and s.decode_step_s > 0
+    assert s.prefill_tokens_measured == 120  # every prompt token, measured once
     assert_idle_clean(engine)
 
 
@@ -273,3 +275,15 @@ def test_cuda_engine_cache_and_chunking_do_not_change_greedy_output(page_size):
     for tag in ("a", "b"):
         out = run(engine, ps, greedy(), tag)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain]
+
+
+def test_a_short_first_prefill_does_not_set_the_speed():
+    """The prefill speed is a weighted mean of steps weighted by their size: a first step of 10
+    tokens (mostly fixed overhead: 833 tokens/s) gives way to the first full step (50,000)."""
+    engine = make()
+    engine._measure(0.012, 10)
+    assert engine.stats().prefill_tokens_per_s == pytest.approx(10 / 0.012)
+    engine._measure(0.01, 500)
+    s = engine.stats()
+    assert s.prefill_tokens_per_s > 0.95 * 50_000
+    assert s.prefill_tokens_measured == 510

@@ -156,6 +156,13 @@ class EngineSpeed:
                 timings.popleft()
 
     @property
+    def measured_tokens(self) -> int:
+        """Uncached prompt tokens of the timings behind the speed (0: the probe's alone). An
+        engine's own points are interval means: a lower bound of what it computed."""
+        self._expire()
+        return int(sum(n for _, n, _ in self._prefill)) if self._timed_speed() else 0
+
+    @property
     def prefill_tokens_per_s(self) -> float:
         """Uncached prompt tokens per second: from the timings, else the probe's; 0.0 when
         unknown."""
