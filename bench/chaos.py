@@ -130,7 +130,7 @@ class Traffic:
                 try:
                     result, status, detail = await asyncio.wait_for(
                         self.one(http, kind, rng, index), self.timeout_s + 5)
-                except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
+                except (TimeoutError, httpx.TimeoutException) as exc:
                     result, status, detail = "timeout", 0, type(exc).__name__
                 except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
                     result, status, detail = "dropped", 0, type(exc).__name__

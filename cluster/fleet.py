@@ -129,7 +129,7 @@ class FleetActor:
             bumped = self._bumped
             try:
                 await asyncio.wait_for(bumped.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.members()
 

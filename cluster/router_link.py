@@ -148,14 +148,14 @@ class FleetControl:
         try:
             await asyncio.wait_for(_result(self.link.fleet.remove.remote(worker_id, deadline)),
                                    FLEET_CALL_S)
-        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RayActorError, RayTaskError) as exc:
             raise _away(exc) from exc
 
     async def _reach(self) -> None:
         """503 unless the fleet answers within `FLEET_CALL_S`."""
         try:
             await asyncio.wait_for(_result(self.link.fleet.members.remote()), FLEET_CALL_S)
-        except (RayActorError, RayTaskError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RayActorError, RayTaskError) as exc:
             raise _away(exc) from exc
 
 

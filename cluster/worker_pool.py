@@ -234,7 +234,7 @@ class WorkerPool:
             return
         try:
             info = await asyncio.wait_for(worker.actor.ready.remote(), PING_TIMEOUT_S)
-        except (asyncio.TimeoutError, GetTimeoutError):
+        except (TimeoutError, GetTimeoutError):
             return  # busy or restarting: the next successful ping decides
         except (RayActorError, RayTaskError) as exc:  # dead, or alive with a failed engine
             if worker.state != "down" and worker.worker_id in self.workers:

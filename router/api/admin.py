@@ -102,7 +102,7 @@ class WorkerAdmin:
                            code="worker_exists")
         try:
             await self.workers.add(backend)
-        except (BackendDead, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BackendDead) as exc:
             if backend.worker_id in self.registry:
                 self.workers.detach(backend.worker_id)  # closes the backend
             else:

@@ -41,7 +41,7 @@ class Admission:
         """Waits until no request is in flight, at most `timeout_s`; True when none is."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

@@ -189,5 +189,5 @@ class WorkerSync:
 async def _stats_or_none(backend: Backend) -> WorkerStats | None:
     try:
         return await asyncio.wait_for(backend.stats(), _CALL_TIMEOUT_S)
-    except (BackendDead, asyncio.TimeoutError):
+    except (TimeoutError, BackendDead):
         return None

@@ -185,7 +185,7 @@ class EngineEventStream:
                 if seq == END_SEQ:
                     return out
                 out.append((seq, frames[3]))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._reject("replay_timeout", f"no end marker within {self.config.replay_timeout_s}s")
             return []
         finally:
