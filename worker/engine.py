@@ -109,11 +109,15 @@ class Engine:
             config.max_running * self.max_context
         )
         kv_tokens = kv_tokens // config.page_size * config.page_size
-        self.runner.allocate_kv(kv_tokens)
+        window_tokens = self.runner.window_tokens(
+            kv_tokens, config.max_running, config.prefill_budget, config.page_size
+        )
+        self.runner.allocate_kv(kv_tokens, window_tokens, config.page_size)
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = None
-        if config.enable_cache:
+        # a sliding-window model serves without the prefix cache (`worker.kv_memory`)
+        if config.enable_cache and self.runner.window is None:
             radix = make_radix_cache(
                 allocator,
                 self.kv_pool,
@@ -126,7 +130,7 @@ class Engine:
         if config.cuda_graphs:  # on a CUDA device only (`worker.cuda_graphs`)
             self.runner.enable_cuda_graphs(config.max_running, config.prefill_budget)
         self.sessions = SessionTable()
-        self.memory = KVMemory(allocator, radix, rows, self.sessions)
+        self.memory = KVMemory(allocator, radix, rows, self.sessions, self.runner.window)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_budget, config.aging_steps),
             self.memory,
@@ -259,6 +263,7 @@ class Engine:
         self.num_computed_tokens += sum(batch.num_new)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             req.num_computed += n
+            self.memory.slide(req)
 
     def _cache_chunks(self, batch: ScheduledBatch) -> int:
         """Hand the prefill chunks the pass computed to the cache; returns their tokens."""

@@ -11,6 +11,12 @@ row (see `worker.request`):
 `check()` verifies conservation: free + tree + request tails + session-owned == size.
 With `radix=None` (cache disabled) nothing is ever matched or inserted: every slot a request
 used goes back to the free list when it ends.
+
+A model with sliding-window layers has `window` (`worker.window_kv`): every slot allocated here
+gets a window slot beside it, freed with it, or earlier by `slide` once its owner's queries have
+moved past it. Such a model serves without the radix cache for now (`radix=None`): the plain
+tree keeps no per-window state, so a match could not tell whether the window behind it is still
+there.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.request import Request, common_prefix_len
 from worker.sessions import ParkedSession, SessionTable
+from worker.window_kv import WindowKV
 
 
 class KVMemory:
@@ -36,7 +43,10 @@ class KVMemory:
         radix: RadixCache | None,
         rows: ReqToTokenPool,
         sessions: SessionTable,
+        window: WindowKV | None = None,
     ) -> None:
+        assert window is None or radix is None, "a plain radix tree cannot hold window KV"
+        self.window = window
         self.allocator = allocator
         self.radix = radix
         self.rows = rows
@@ -90,7 +100,7 @@ class KVMemory:
         if slots is None:
             self.evict(need - self.allocator.available_size())
             slots = self.allocator.alloc(need)
-        if slots is None:
+        if slots is None or not self._attach(slots):
             return False
         self.rows.write(req.row, req.alloc_len, slots)
         req.alloc_len += need
@@ -105,7 +115,7 @@ class KVMemory:
         if not needing:
             return True
         slots = self.allocator.alloc(p * len(needing))
-        if slots is None:
+        if slots is None or not self._attach(slots):
             return False
         pages = slots.view(len(needing), p)
         for req, page in zip(needing, pages, strict=True):
@@ -113,6 +123,28 @@ class KVMemory:
             self.rows.write(req.row, req.alloc_len, page)
             req.alloc_len += p
         return True
+
+    def _attach(self, slots: torch.Tensor) -> bool:
+        """Window slots for freshly allocated `slots`; False (and `slots` freed) when short."""
+        if self.window is None or self.window.attach(slots):
+            return True
+        self.allocator.free(slots)
+        return False
+
+    def slide(self, req: Request) -> None:
+        """Free the window KV of the request's own pages that none of its queries can see any
+        more (positions below the window behind its next token).
+
+        KV regions freed here: window slots of [window_start, horizon) of the request's tail,
+        whole pages; their full slots stay the request's."""
+        if self.window is None or req.row is None:
+            return
+        p = self.page_size
+        upto = min(self.window.horizon(req.num_computed) // p * p, req.alloc_len)
+        start = max(req.window_start, req.prefix_len)
+        if upto > start:
+            self.window.detach(self.rows.req_to_token[req.row, start:upto])
+            req.window_start = upto
 
     def cache(self, req: Request) -> None:
         """Hand the page-aligned computed prefix of a running request to the tree, so that other
@@ -148,7 +180,7 @@ class KVMemory:
             self.radix.unlock(req.node)
         self.rows.free(req.row)
         req.row, req.node = None, None
-        req.prefix_len = req.alloc_len = req.num_computed = 0
+        req.prefix_len = req.alloc_len = req.num_computed = req.window_start = 0
 
     # --- sessions ----------------------------------------------------------------------------
 
@@ -179,7 +211,7 @@ class KVMemory:
         )
         self.rows.free(req.row)
         req.row, req.node = None, None
-        req.prefix_len = req.alloc_len = req.num_computed = 0
+        req.prefix_len = req.alloc_len = req.num_computed = req.window_start = 0
 
     def _restore(self, req: Request, parked: ParkedSession) -> None:
         """The next turn takes over the parked KV it shares with its prompt (page-aligned, at
@@ -188,7 +220,10 @@ class KVMemory:
         takes over."""
         common = common_prefix_len(parked.tokens, req.tokens[: len(req.tokens) - 1])
         reuse = common // self.page_size * self.page_size
-        if reuse < parked.prefix_len or (self.radix is None and reuse == 0):
+        window_gone = self.window is not None and not self.window.intact(
+            parked.slots[self.window.horizon(reuse) : reuse]
+        )
+        if reuse < parked.prefix_len or (self.radix is None and reuse == 0) or window_gone:
             self.drop_session(parked)
             self._match(req)
             return
@@ -199,6 +234,8 @@ class KVMemory:
         req.node = parked.node
         req.prefix_len = parked.prefix_len
         req.alloc_len = req.num_computed = reuse
+        if self.window is not None:
+            req.window_start = self.window.first_attached(parked.slots[:reuse])
 
     def drop_session(self, parked: ParkedSession) -> None:
         """Release a session's KV (close, TTL, pressure, a turn that diverged): its computed
@@ -250,6 +287,8 @@ class KVMemory:
         if slots.numel() == 0:
             return
         assert slots.numel() % self.page_size == 0, "free of a partial page"
+        if self.window is not None:
+            self.window.detach(slots)
         self.allocator.free(slots.to("cpu") if slots.device.type != "cpu" else slots)
 
     # --- accounting --------------------------------------------------------------------------
@@ -263,6 +302,8 @@ class KVMemory:
             assert req.prefix_len % p == 0 and req.alloc_len % p == 0, "unaligned region"
             assert req.prefix_len <= req.num_computed <= req.alloc_len, "regions out of order"
             tails += req.tail_len
+            if self.window is not None:
+                self._check_window(req)
         for parked in self.sessions.values():
             assert parked.prefix_len % p == 0 and parked.alloc_len % p == 0
             assert parked.prefix_len <= parked.alloc_len
@@ -274,6 +315,24 @@ class KVMemory:
         assert free + tree + tails + owned == self.allocator.size, (
             f"slot conservation: free {free} + tree {tree} + request tails {tails} + "
             f"sessions {owned} != {self.allocator.size}"
+        )
+        if self.window is not None:
+            self.window.check(torch.from_numpy(self.allocator.free_slot_ids()))
+
+    def _check_window(self, req: Request) -> None:
+        """A running request's window KV: none below `window_start`, all of it from the
+        horizon of its computed tokens to its allocated end, and no more than the window plus
+        what it allocated ahead and one page."""
+        w, row = self.window, self.rows.req_to_token[req.row]
+        gone = w.window_of[row[: req.window_start]]
+        assert bool((gone < 0).all()), f"{req.request_id}: window KV below window_start"
+        assert w.intact(row[w.horizon(req.num_computed) : req.alloc_len]), (
+            f"{req.request_id}: window KV missing inside its window"
+        )
+        held = req.alloc_len - req.window_start
+        ahead = req.alloc_len - req.num_computed
+        assert held <= w.window + ahead + self.page_size, (
+            f"{req.request_id}: {held} window slots, window {w.window} + {ahead} ahead"
         )
 
 

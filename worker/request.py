@@ -56,6 +56,7 @@ class Request:
     num_computed: int = 0
     prefix_len: int = 0
     alloc_len: int = 0
+    window_start: int = 0  # sliding-window models: positions below hold no window KV
     node: Any = None
     # results
     cached_tokens: int | None = None  # prefix reuse at first admission (reported to client)
