@@ -112,12 +112,15 @@ class Engine:
         window_tokens = self.runner.window_tokens(
             kv_tokens, config.max_running, config.prefill_budget, config.page_size
         )
-        self.runner.allocate_kv(kv_tokens, window_tokens, config.page_size)
+        # a state per running request, and as many for parked sessions
+        self.runner.allocate_kv(kv_tokens, window_tokens, config.page_size,
+                                num_states=2 * config.max_running)  # fmt: skip
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = None
-        # a sliding-window model serves without the prefix cache (`worker.kv_memory`)
-        if config.enable_cache and self.runner.window is None:
+        # a hybrid model serves without the prefix cache (`worker.kv_memory`)
+        hybrid = self.runner.window is not None or self.runner.states is not None
+        if config.enable_cache and not hybrid:
             radix = make_radix_cache(
                 allocator,
                 self.kv_pool,
@@ -130,7 +133,9 @@ class Engine:
         if config.cuda_graphs:  # on a CUDA device only (`worker.cuda_graphs`)
             self.runner.enable_cuda_graphs(config.max_running, config.prefill_budget)
         self.sessions = SessionTable()
-        self.memory = KVMemory(allocator, radix, rows, self.sessions, self.runner.window)
+        self.memory = KVMemory(
+            allocator, radix, rows, self.sessions, self.runner.window, self.runner.states
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_budget, config.aging_steps),
             self.memory,

@@ -14,9 +14,10 @@ used goes back to the free list when it ends.
 
 A model with sliding-window layers has `window` (`worker.window_kv`): every slot allocated here
 gets a window slot beside it, freed with it, or earlier by `slide` once its owner's queries have
-moved past it. Such a model serves without the radix cache for now (`radix=None`): the plain
-tree keeps no per-window state, so a match could not tell whether the window behind it is still
-there.
+moved past it. A model with recurrent layers has `states` (`worker.state_slots`): each running
+request and parked session holds one state slot. Such models serve without the radix cache for
+now (`radix=None`): the plain tree keeps neither window KV nor states, so a match could not tell
+whether a model could resume there.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.request import Request, common_prefix_len
 from worker.sessions import ParkedSession, SessionTable
+from worker.state_slots import StateSlots
 from worker.window_kv import WindowKV
 
 
@@ -44,9 +46,13 @@ class KVMemory:
         rows: ReqToTokenPool,
         sessions: SessionTable,
         window: WindowKV | None = None,
+        states: StateSlots | None = None,
     ) -> None:
-        assert window is None or radix is None, "a plain radix tree cannot hold window KV"
+        assert radix is None or (window is None and states is None), (
+            "a plain radix tree holds neither window KV nor recurrent states"
+        )
         self.window = window
+        self.states = states
         self.allocator = allocator
         self.radix = radix
         self.rows = rows
@@ -73,8 +79,21 @@ class KVMemory:
             if parked is not None:
                 self.drop_session(parked)
             self._match(req)
+        if self.states is not None and req.state_slot is None and not self._take_state(req):
+            self.release(req)
+            return False
         if req.cached_tokens is None:
             req.cached_tokens = req.num_computed
+        return True
+
+    def _take_state(self, req: Request) -> bool:
+        """A zeroed state slot for a request that starts from its first token, dropping
+        parked sessions for it if need be; False when none can be had."""
+        assert req.num_computed == 0
+        while (slot := self.states.alloc()) is None:
+            if not self.drop_oldest_session():
+                return False
+        req.state_slot = slot
         return True
 
     def _match(self, req: Request) -> None:
@@ -178,6 +197,9 @@ class KVMemory:
         self._free(row[req.prefix_len : req.alloc_len])
         if self.radix is not None:
             self.radix.unlock(req.node)
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
         self.rows.free(req.row)
         req.row, req.node = None, None
         req.prefix_len = req.alloc_len = req.num_computed = req.window_start = 0
@@ -207,8 +229,10 @@ class KVMemory:
                 node=req.node,
                 ttl_s=ttl_s,
                 expires_at=time.monotonic() + ttl_s,
+                state_slot=req.state_slot,
             )
         )
+        req.state_slot = None
         self.rows.free(req.row)
         req.row, req.node = None, None
         req.prefix_len = req.alloc_len = req.num_computed = req.window_start = 0
@@ -223,7 +247,10 @@ class KVMemory:
         window_gone = self.window is not None and not self.window.intact(
             parked.slots[self.window.horizon(reuse) : reuse]
         )
-        if reuse < parked.prefix_len or (self.radix is None and reuse == 0) or window_gone:
+        # a recurrent state stands after all of the session's tokens: resume there or nowhere
+        state_gone = parked.state_slot is not None and reuse != len(parked.tokens)
+        if (reuse < parked.prefix_len or (self.radix is None and reuse == 0) or window_gone
+                or state_gone):  # fmt: skip
             self.drop_session(parked)
             self._match(req)
             return
@@ -234,6 +261,7 @@ class KVMemory:
         req.node = parked.node
         req.prefix_len = parked.prefix_len
         req.alloc_len = req.num_computed = reuse
+        req.state_slot = parked.state_slot
         if self.window is not None:
             req.window_start = self.window.first_attached(parked.slots[:reuse])
 
@@ -254,6 +282,8 @@ class KVMemory:
                 prefix_len = aligned
             self.radix.unlock(parked.node)
         self._free(parked.slots[prefix_len:])
+        if parked.state_slot is not None:
+            self.states.free(parked.state_slot)
 
     def drop_oldest_session(self) -> bool:
         sid = self.sessions.oldest()
@@ -318,6 +348,10 @@ class KVMemory:
         )
         if self.window is not None:
             self.window.check(torch.from_numpy(self.allocator.free_slot_ids()))
+        if self.states is not None:
+            held = [r.state_slot for r in running] + [s.state_slot for s in self.sessions.values()]
+            assert None not in held, "a running request or session without its state"
+            self.states.check(held)
 
     def _check_window(self, req: Request) -> None:
         """A running request's window KV: none below `window_start`, all of it from the

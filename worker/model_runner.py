@@ -9,8 +9,11 @@ instead (`worker.cuda_graphs`, after `enable_cuda_graphs`).
 
 A model with sliding-window layers (Gemma 3) gets two pools (`HybridKVPool`): the full layers'
 at the engine's slots, and the window layers' (`WindowKV`), whose batch (`AttentionBatch.sliding`)
-lists each sequence's window slots from the first key its queries see. Such models run eagerly
-(no CUDA graphs yet: their passes need the window batch, which the captured graphs lack).
+lists each sequence's window slots from the first key its queries see. A model with recurrent
+layers (LFM2) gets `RecurrentKVPool`: the attention layers' pool and the state slots
+(`StateSlots`), each sequence's given by `AttentionBatch.states`. Hybrid models run eagerly (no
+CUDA graphs yet: their passes need the window batch or the state slots, which the captured
+graphs lack).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import torch
 
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from worker.attention.base import AttentionBatch
-from worker.attention.hybrid_pool import HybridKVPool
+from worker.attention.hybrid_pool import HybridKVPool, RecurrentKVPool
 from worker.cuda_graphs import ChunkGraphs, DecodeGraphs, make_chunk_graphs, make_decode_graphs
 from worker.loader import load_model
 from worker.request import Request
 from worker.scheduler import ScheduledBatch
+from worker.state_slots import StateSlots
 from worker.window_kv import WindowKV
 
 
@@ -43,10 +47,12 @@ class ModelRunner:
             dtype = getattr(torch, dtype)
         self.model = load_model(model, device, dtype, attention)
         self.config = self.model.config
-        self.kv_pool: KVPool | HybridKVPool | None = None
+        self.kv_pool: KVPool | HybridKVPool | RecurrentKVPool | None = None
         self.window: WindowKV | None = None  # sliding-window models (`allocate_kv`)
+        self.states: StateSlots | None = None  # recurrent models (`allocate_kv`)
         self.num_sliding = len(self.config.sliding_layers)
-        self.num_full = self.config.num_layers - self.num_sliding
+        self.num_recurrent = len(self.config.recurrent_layers)
+        self.num_full = self.config.num_layers - self.num_sliding - self.num_recurrent
         self.graphs: DecodeGraphs | None = None
         self.chunk_graphs: ChunkGraphs | None = None
         self.rows: ReqToTokenPool | None = None  # `use_rows`
@@ -70,14 +76,22 @@ class ModelRunner:
         need = max_running * (self.config.sliding_window + 2 * page) + chunk
         return min(-(-need // page) * page, kv_tokens)
 
-    def allocate_kv(self, kv_tokens: int, window_tokens: int = 0, page_size: int = 1) -> None:
+    def allocate_kv(
+        self, kv_tokens: int, window_tokens: int = 0, page_size: int = 1, num_states: int = 0
+    ) -> None:
         """The pools: `kv_tokens` slots of the full layers, and for a sliding-window model
-        `window_tokens` of its window layers."""
+        `window_tokens` of its window layers, for a recurrent one `num_states` states."""
         c = self.config
         full = KVPool(
             kv_tokens, self.num_full, c.num_kv_heads, c.head_dim, c.dtype, self.device,
             pad_slot=True,  # where decode graphs pad their batches (worker.cuda_graphs)
         )
+        if self.num_recurrent:
+            shape = (num_states + 1, self.num_recurrent, c.hidden_size, c.conv_kernel - 1)
+            conv = torch.zeros(shape, dtype=c.dtype, device=self.device)
+            self.kv_pool = RecurrentKVPool(full, conv)
+            self.states = StateSlots(conv)
+            return
         if not self.num_sliding:
             self.kv_pool = full
             return
@@ -94,7 +108,7 @@ class ModelRunner:
         """Capture the decode pass for batches of up to `max_batch`, and one sequence's chunk
         of up to `max_chunk` tokens (after `allocate_kv` and `use_rows`); whether the decode
         pass was (a CUDA device and a backend that can be captured)."""
-        if self.window is not None:
+        if self.window is not None or self.states is not None:
             return False
         table = self.rows.device_table
         self.chunk_graphs = make_chunk_graphs(self.model, self.kv_pool, table, max_chunk)
@@ -130,7 +144,8 @@ class ModelRunner:
         if attn is None:  # the batch's rows of the device's table, now that it is current
             table = self.rows.device_table[:, : max(inputs.kv_lens)].index_select(0, inputs.rows)
             attn = AttentionBatch(inputs.q_lens, inputs.kv_lens, inputs.slot_mapping,
-                                  slot_table=table, sliding=inputs.sliding)  # fmt: skip
+                                  slot_table=table, sliding=inputs.sliding,
+                                  states=inputs.states)  # fmt: skip
         return self.model.forward(
             inputs.input_ids, inputs.positions, attn, self.kv_pool, inputs.logits_at
         )
@@ -181,6 +196,9 @@ class ModelRunner:
             sizes = [p.numel() for p in parts]
             flat = torch.cat([p.reshape(-1) for p in parts]).to(self.device)
             parts = [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
+        states = None
+        if self.states is not None:
+            states = torch.tensor([r.state_slot for r in batch.requests], dtype=torch.int64)
         sliding = None
         if self.window is not None:
             sliding = self._sliding_batch(rows_t, q_lens, kv_lens, host_slots)
@@ -188,7 +206,7 @@ class ModelRunner:
         attn = None
         if not mirrored:
             attn = AttentionBatch(q_lens, kv_lens, slot_mapping, slot_table=parts[4],
-                                  sliding=sliding)  # fmt: skip
+                                  sliding=sliding, states=states)  # fmt: skip
         every_row = len(logits_at) == len(ids)
         return PassInputs(
             attn,
@@ -204,6 +222,7 @@ class ModelRunner:
             q_lens,
             graph,
             sliding,
+            states,
         )
 
     def _sliding_batch(
@@ -239,3 +258,4 @@ class PassInputs(NamedTuple):
     q_lens: list[int]  # each sequence's new tokens
     graph: DecodeGraphs | ChunkGraphs | None  # the CUDA graphs that replay this pass
     sliding: AttentionBatch | None  # the window layers' batch (sliding-window models)
+    states: torch.Tensor | None  # [num_seqs] recurrent-state slots, host (recurrent models)

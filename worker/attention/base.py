@@ -58,6 +58,7 @@ class AttentionBatch:
     plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     window: int | None = None
     sliding: AttentionBatch | None = None
+    states: torch.Tensor | None = None  # int64 [num_seqs]: recurrent-state slots (LFM2)
 
     def needs_band(self) -> bool:
         """Whether a query of this windowed batch sees fewer keys than the causal mask gives

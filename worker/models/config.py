@@ -19,12 +19,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Lfm2ForCausalLM": "lfm2",
 }
-_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma3": "gemma3"}
+_MODEL_TYPES = {"gemma3_text": "gemma3", "gemma3": "gemma3", "lfm2": "lfm2"}
 
 # `ModelConfig.layer_types` entries: a layer attends over the whole context, or over the last
 # `sliding_window` keys only (Gemma 3's local layers)
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+CONV = "conv"  # LFM2's short-convolution layers, which keep a recurrent state per request
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
@@ -52,7 +54,10 @@ class ModelConfig:
     `SLIDING_ATTENTION` (each query sees its last `sliding_window` keys, itself included); the
     sliding layers take RoPE base `rope_local_theta`, queries are scaled by
     `query_pre_attn_scalar ** -0.5`, and logits are soft-capped at `final_logit_softcapping`
-    when set. Llama-family models leave `layer_types` empty (every layer full).
+    when set. LFM2 (`model_type` "lfm2") has `CONV` layers (`recurrent_layers`): a depthwise
+    causal convolution of kernel `conv_kernel` over a gated input, whose state per request is
+    its last `conv_kernel - 1` inputs. Llama-family models leave `layer_types` empty (every
+    layer full).
     """
 
     name: str
@@ -81,11 +86,18 @@ class ModelConfig:
     rope_local_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     @property
     def sliding_layers(self) -> list[int]:
         """Indices of the layers that attend over a sliding window (none for Llama-family)."""
         return [i for i, t in enumerate(self.layer_types) if t == SLIDING_ATTENTION]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        """Indices of the layers that keep a recurrent state (LFM2's convolutions)."""
+        return [i for i, t in enumerate(self.layer_types) if t == CONV]
 
     @classmethod
     def from_dir(cls, path: str | Path, name: str | None = None) -> ModelConfig:
@@ -102,6 +114,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Normalise an HF config dict; ValueError for an architecture this decoder lacks."""
         model_type = _model_type(hf)
+        if model_type == "lfm2":
+            return _lfm2(hf, name, gen or {})
         num_heads = hf["num_attention_heads"]
         theta, scaling = _rope(hf)
         max_context = hf.get("max_position_embeddings", 4096)
@@ -151,6 +165,46 @@ def _model_type(hf: dict[str, Any]) -> str:
     raise ValueError(
         f"unsupported model: architectures={hf.get('architectures')} "
         f"model_type={hf.get('model_type')}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _lfm2(hf: dict[str, Any], name: str, gen: dict[str, Any]) -> ModelConfig:
+    """LFM2's config: its own key names, and its feed-forward width rule."""
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    types = hf.get("layer_types") or [
+        FULL_ATTENTION if i in (hf.get("full_attn_idxs") or range(n)) else CONV for i in range(n)
+    ]
+    inter = hf.get("block_ff_dim", hf["intermediate_size"])
+    if hf.get("block_auto_adjust_ff_dim", True):
+        inter = int(2 * inter / 3)
+        multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+        multiple = hf.get("block_multiple_of", 256)
+        if multiplier is not None:
+            inter = multiple * ((int(multiplier * inter) + multiple - 1) // multiple)
+    theta, scaling = _rope(hf)
+    tied = hf.get("tie_embedding", hf.get("tie_word_embeddings", True))
+    return ModelConfig(
+        name=name,
+        model_type="lfm2",
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=inter,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("norm_eps", 1e-5),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_context=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(tied),
+        qk_norm=True,
+        eos_token_ids=_eos_ids(hf, gen),
+        bos_token_id=hf.get("bos_token_id"),
+        dtype=_dtype(hf.get("dtype") or hf.get("torch_dtype")),
+        layer_types=list(types),
+        conv_kernel=int(hf.get("conv_L_cache", 3)),
+        conv_bias=bool(hf.get("conv_bias", False)),
     )
 
 
