@@ -92,16 +92,21 @@ class HybridMatch:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class InsertResult:
-    """What `insert` did. `prefix_len`: tokens whose full KV was cached on device before (the
-    caller's `full_ids[:prefix_len]` are duplicates, listed in `unused_full`). `node` ends at the
-    aligned end. The `unused_*` ids were not taken and are still the caller's (free them or go
-    on using them); ids past the aligned end are never taken and are not listed."""
+    """What `insert` did. `prefix_len`: tokens whose full KV was cached on device before. `node`
+    ends at the aligned end. `unused_*`: the ids the caller gave that the tree does not hold
+    afterwards (duplicates of what it had), still the caller's to free; ids equal to the tree's
+    own (a match's) are not listed, and ids past the aligned end are never taken nor listed."""
 
     prefix_len: int
     node: HybridNode
     unused_full: np.ndarray
     unused_windows: dict[int, np.ndarray]
     unused_states: list[int]
+
+
+def _not_in(ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+    """`ids` that are not in `held` (a copy)."""
+    return ids[~np.isin(ids, held)].copy()
 
 
 class HybridRadixCache:
@@ -376,6 +381,30 @@ class HybridRadixCache:
         self._num_nodes -= 1
         node.parent = None
 
+    def _path_slots(self, path: list[HybridNode], c: int) -> np.ndarray:
+        """The device slots of component `c` (not states) held by the nodes of `path`."""
+        pages = [self.host._device_pages(x, c) for x in path if self.holds(x, c)]
+        if not pages:
+            return np.zeros(0, dtype=np.int64)
+        return pages_to_slots(np.concatenate(pages), self.page_size)
+
+    def slots(self, node: HybridNode, group: int | None = None) -> torch.Tensor | tuple:
+        """The slots a request resuming at `node`'s end uses: the full-attention group's (by
+        default) for root..node, or a window group's `(start, ids)` for the `W` tokens before
+        the node's end (as `HybridMatch.windows`). For a chunked request that goes on after
+        inserting its first chunks (lock `node` first)."""
+        path = path_below(self.root, node)
+        c = self.full if group is None else self._component(group)
+        if c == self.full:
+            return self._gather([x.value for x in path])
+        if c not in self.window_pos:
+            raise ValueError(f"group {group} has no slots per token")
+        i = self.window_pos.index(c)
+        start = max(0, node.end - self.window_sizes[i]) // self.page_size * self.page_size
+        nodes = [x for x in path if x.end > start]
+        ids = self._gather([x.windows[i] for x in nodes])
+        return start, ids[start - nodes[0].start :] if nodes else ids
+
     # --- insertion --------------------------------------------------------------------------
 
     def insert(
@@ -408,7 +437,6 @@ class HybridRadixCache:
                         "no KV for the last page (a new leaf would be a tombstone)"
                     )
         self._touch(path)
-        taken = [np.zeros(len(ids), dtype=bool) for _, (_, ids) in wins]
         cached = 0
         for node_ in path:
             if node_.evicted:
@@ -420,7 +448,7 @@ class HybridRadixCache:
         for node_ in path:
             if node_.evicted:
                 self._to_device(node_, self._pages(values, 0, node_.start, node_.end), {})
-            self._refill(node_, wins, taken)
+            self._refill(node_, wins)
         # New tokens: a chain of nodes cut where a window group's coverage begins.
         if pos < n:
             cuts = sorted({c for c, _ in wins if pos < c < n} | {n})
@@ -429,7 +457,7 @@ class HybridRadixCache:
                 leaf = self._new_node(parent, arr, start, end, namespace)
                 leaf.value = self._pages(values, 0, start, end)
                 self._on_device(leaf)
-                self._refill(leaf, wins, taken)
+                self._refill(leaf, wins)
                 path.append(leaf)
                 parent, start = leaf, end
         unused_states = self._take_states(path, state_args, n)
@@ -437,10 +465,16 @@ class HybridRadixCache:
         for node_ in path:
             self._push_all(node_)
         self.host.after_use(path, inserted=True)
+        # What the caller gave and the tree does not hold now is still the caller's (ids equal
+        # to the tree's own, such as a match's, were never the caller's to free).
+        unused_full = _not_in(values[:n], self._path_slots(path, self.full))
         unused_windows = {
-            self.groups[c].index: wins[i][1][1][~taken[i]] for i, c in enumerate(self.window_pos)
+            self.groups[c].index: _not_in(wins[i][1][1], self._path_slots(path, c))
+            for i, c in enumerate(self.window_pos)
         }
-        unused_full = values[:cached].copy()
+        tree_states = {x.state for x in path}
+        unused_states += [s for s in state_args.values() if s not in tree_states and
+                          s not in unused_states]
         return InsertResult(cached, end_node, unused_full, unused_windows, unused_states)
 
     def _window_args(
@@ -480,14 +514,13 @@ class HybridRadixCache:
             out.append(node)
         return out
 
-    def _refill(self, node: HybridNode, wins: list, taken: list[np.ndarray]) -> None:
+    def _refill(self, node: HybridNode, wins: list) -> None:
         """Give `node` the request's window KV for each group that is tombstoned here and that
         the request covers."""
         for i, (cover, (start, ids)) in enumerate(wins):
             if node.windows[i] is not None or cover > node.start or node.end > start + len(ids):
                 continue
             self._set_window(node, i, self._pages(ids, start, node.start, node.end))
-            taken[i][node.start - start : node.end - start] = True
 
     def _set_window(self, node: HybridNode, i: int, pages: np.ndarray) -> None:
         c = self.window_pos[i]
