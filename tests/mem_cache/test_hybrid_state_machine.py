@@ -9,9 +9,8 @@ against a brute-force reference of the resume rule and its slots' recorded conte
 
 from __future__ import annotations
 
-from collections import Counter
-
 import os
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
