@@ -19,7 +19,7 @@ from worker.compiled import compile_model
 from worker.heap import retain_freed_memory
 from worker.kernels.linear import pack_linears
 from worker.kv_events import EventLog
-from worker.kv_memory import KVMemory, make_radix_cache
+from worker.kv_memory import KVMemory, make_hybrid_cache, make_radix_cache
 from worker.loader.weights import quantized_linears, resolve_dtype
 from worker.model_runner import ModelRunner
 from worker.protocol import GenerateRequest, SamplingParams, TokenChunk, WorkerStats
@@ -41,6 +41,9 @@ class EngineConfig:
     # "torch" (reference) | "triton" | "flashinfer"
     attention: str = "auto"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
+    # sliding-window models: slots of the window layers' pool; None: each running request's
+    # window and a page either side, plus one step's chunk (`ModelRunner.window_tokens`)
+    window_kv_tokens: int | None = None
     page_size: int = 1
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
     max_running: int = 64
@@ -112,15 +115,19 @@ class Engine:
         window_tokens = self.runner.window_tokens(
             kv_tokens, config.max_running, config.prefill_budget, config.page_size
         )
+        if config.window_kv_tokens is not None and window_tokens:
+            window_tokens = config.window_kv_tokens // config.page_size * config.page_size
         # a state per running request, and as many for parked sessions
         self.runner.allocate_kv(kv_tokens, window_tokens, config.page_size,
                                 num_states=2 * config.max_running)  # fmt: skip
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = None
-        # a hybrid model serves without the prefix cache (`worker.kv_memory`)
-        hybrid = self.runner.window is not None or self.runner.states is not None
-        if config.enable_cache and not hybrid:
+        # a sliding-window model caches prefixes in the component cache, a recurrent one not
+        # yet (`worker.kv_memory`)
+        if config.enable_cache and self.runner.window is not None:
+            radix = make_hybrid_cache(allocator, self.runner.window, config.block_size)
+        elif config.enable_cache and self.runner.states is None:
             radix = make_radix_cache(
                 allocator,
                 self.kv_pool,
@@ -370,7 +377,7 @@ class Engine:
 
     def stats(self) -> WorkerStats:
         radix = self.memory.radix
-        host = radix.host_allocator if radix else None
+        host = getattr(radix, "host_allocator", None)
         return WorkerStats(
             worker_id=self.worker_id,
             kv_total=self.memory.allocator.size,

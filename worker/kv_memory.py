@@ -14,10 +14,13 @@ used goes back to the free list when it ends.
 
 A model with sliding-window layers has `window` (`worker.window_kv`): every slot allocated here
 gets a window slot beside it, freed with it, or earlier by `slide` once its owner's queries have
-moved past it. A model with recurrent layers has `states` (`worker.state_slots`): each running
-request and parked session holds one state slot. Such models serve without the radix cache for
-now (`radix=None`): the plain tree keeps neither window KV nor states, so a match could not tell
-whether a model could resume there.
+moved past it (only the request's own: the tree's window KV goes when the tree tombstones it).
+Its prefix cache is the component cache (`mem_cache.hybrid_cache.HybridRadixCache`, group 0 the
+full layers, group 1 the window layers): a match resumes only where the window behind it is
+intact, an insert hands the tree the window slots beside the full ones it takes, and a window
+pool that runs short tombstones the tree's least recently used window KV. A model with recurrent
+layers has `states` (`worker.state_slots`): each running request and parked session holds one
+state slot; it serves without the prefix cache (`radix=None`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ import time
 import torch
 
 from mem_cache.allocator import KVAllocator
+from mem_cache.events import SLIDING_WINDOW, KVGroup
 from mem_cache.host_cache import HostKVPool, PoolCopier
+from mem_cache.hybrid_cache import HybridMatch, HybridRadixCache
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.request import Request, common_prefix_len
@@ -42,15 +47,15 @@ class KVMemory:
     def __init__(
         self,
         allocator: KVAllocator,
-        radix: RadixCache | None,
+        radix: RadixCache | HybridRadixCache | None,
         rows: ReqToTokenPool,
         sessions: SessionTable,
         window: WindowKV | None = None,
         states: StateSlots | None = None,
     ) -> None:
-        assert radix is None or (window is None and states is None), (
-            "a plain radix tree holds neither window KV nor recurrent states"
-        )
+        hybrid = isinstance(radix, HybridRadixCache)
+        assert radix is None or states is None, "recurrent models serve without a prefix cache"
+        assert radix is None or hybrid == (window is not None), "window KV needs the hybrid cache"
         self.window = window
         self.states = states
         self.allocator = allocator
@@ -103,10 +108,13 @@ class KVMemory:
         if m.host_length:  # evicted to the host tier: copy it back rather than recompute
             m = self.radix.load_back(m)
         assert m.length % self.page_size == 0 and m.length < len(req.tokens)
-        self.rows.write(req.row, 0, m.indices)
+        full = _full_slots(m)
+        self.rows.write(req.row, 0, full)
         self.radix.lock(m.node)
         req.node = m.node
-        req.prefix_len = req.alloc_len = req.num_computed = m.length
+        req.prefix_len = req.alloc_len = req.num_computed = req.window_start = m.length
+        if self.window is not None:
+            assert self.window.intact(full[self.window.horizon(m.length) :]), "window gone"
 
     def alloc(self, req: Request, upto: int) -> bool:
         """Grow the request's tail so that tokens[:upto] have slots (whole pages), evicting
@@ -144,9 +152,15 @@ class KVMemory:
         return True
 
     def _attach(self, slots: torch.Tensor) -> bool:
-        """Window slots for freshly allocated `slots`; False (and `slots` freed) when short."""
+        """Window slots for freshly allocated `slots`, tombstoning the tree's least recently
+        used window KV if need be; False (and `slots` freed) when short."""
         if self.window is None or self.window.attach(slots):
             return True
+        if self.radix is not None:
+            short = slots.numel() - self.window.allocator.available_size()
+            self.radix.evict_window(1, short)
+            if self.window.attach(slots):
+                return True
         self.allocator.free(slots)
         return False
 
@@ -178,7 +192,7 @@ class KVMemory:
         self._insert(req.tokens[:aligned], row[:aligned], req.prefix_len, req.namespace)
         m = self.radix.match_prefix(req.tokens[:aligned], req.namespace)
         assert m.length == aligned, "inserted tokens not found again"
-        self.rows.write(req.row, 0, m.indices)
+        self.rows.write(req.row, 0, _full_slots(m))
         self.radix.lock(m.node)
         self.radix.unlock(req.node)
         req.node = m.node
@@ -301,11 +315,38 @@ class KVMemory:
         tree keeps the new ones and the caller's duplicates of already-cached tokens are freed."""
         n = len(tokens)
         assert n % self.page_size == 0 and slots.numel() >= n
+        if self.window is not None:
+            self._insert_hybrid(tokens, slots[:n], owned_from, namespace)
+            return
         already = self.radix.insert(tokens, slots[:n], namespace)
         assert already >= owned_from, "the caller's tree prefix vanished while it was locked"
         # KV regions freed here: the caller's own copies [owned_from, already) of tokens that
         # someone else cached meanwhile; the tree now owns [already, n).
         self._free(slots[owned_from:already])
+
+    def _insert_hybrid(
+        self, tokens: list[int], slots: torch.Tensor, owned_from: int, namespace: str | None
+    ) -> None:
+        """`_insert` into the component cache: the window slots beside `slots` go with them,
+        from the first position after the last one without (the caller let those go).
+
+        KV regions freed here: the caller's full copies of tokens the tree already held, and
+        the window slots the tree did not take; a window slot the tree took for a tombstone it
+        refilled now sits beside the tree's own full copy (`WindowKV.move`)."""
+        window = self.window.window_of[slots]
+        gone = torch.nonzero(window < 0)
+        start = int(gone[-1, 0]) + 1 if gone.numel() else 0
+        res = self.radix.insert(tokens, slots, windows={1: (start, window[start:])},
+                                namespace=namespace)  # fmt: skip
+        assert res.prefix_len >= owned_from, "the caller's prefix vanished while locked"
+        for ids in res.unused_windows.values():
+            if len(ids):
+                self.window.allocator.free(ids)  # detaches them from their full slots
+        unused = torch.from_numpy(res.unused_full)
+        if unused.numel():
+            dup = torch.isin(slots, unused)
+            self.window.move(slots[dup], self.radix.slots(res.node)[dup])
+            self._free(unused)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` from unlocked cache leaves (LRU) if possible."""
@@ -354,20 +395,36 @@ class KVMemory:
             self.states.check(held)
 
     def _check_window(self, req: Request) -> None:
-        """A running request's window KV: none below `window_start`, all of it from the
-        horizon of its computed tokens to its allocated end, and no more than the window plus
-        what it allocated ahead and one page."""
+        """A running request's window KV: all of it from the horizon of its computed tokens
+        to its allocated end; of its own pages (from `prefix_len`; the tree's go when the tree
+        tombstones them) none below `window_start`, and no more than the window plus what it
+        allocated ahead and one page."""
         w, row = self.window, self.rows.req_to_token[req.row]
-        gone = w.window_of[row[: req.window_start]]
+        own = max(req.prefix_len, req.window_start)
+        gone = w.window_of[row[req.prefix_len : own]]
         assert bool((gone < 0).all()), f"{req.request_id}: window KV below window_start"
         assert w.intact(row[w.horizon(req.num_computed) : req.alloc_len]), (
             f"{req.request_id}: window KV missing inside its window"
         )
-        held = req.alloc_len - req.window_start
+        held = req.alloc_len - own
         ahead = req.alloc_len - req.num_computed
         assert held <= w.window + ahead + self.page_size, (
             f"{req.request_id}: {held} window slots, window {w.window} + {ahead} ahead"
         )
+
+
+def _full_slots(m) -> torch.Tensor:
+    """The full-attention slots of a match of either cache."""
+    return m.full if isinstance(m, HybridMatch) else m.indices
+
+
+def make_hybrid_cache(
+    allocator: KVAllocator, window: WindowKV, block_size: int
+) -> HybridRadixCache:
+    """The component cache of a sliding-window model: group 0 its full-attention layers over
+    `allocator`, group 1 its window layers over `window`'s allocator (no host tier yet)."""
+    groups = [KVGroup(0), KVGroup(1, SLIDING_WINDOW, window.window)]
+    return HybridRadixCache(groups, [allocator, window.allocator], allocator.page_size, block_size)
 
 
 def make_radix_cache(

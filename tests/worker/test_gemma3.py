@@ -1,10 +1,12 @@
 """Gemma 3 270M (real weights) on the engine: greedy output identical to transformers'.
 
 Prompts shorter and longer than the sliding window (512), prefilled in chunks that cross it,
-page sizes 1 and 16, a session's second turn, an abort and a retraction mid-prefill; after
-every step the engine's integrity check runs, which holds each request's window KV to its
-window (`KVMemory._check_window`) and balances both pools (`WindowKV.check`), and the idle
-engine has every slot of both pools free.
+page sizes 1 and 16, cached prefixes from the component cache (with a window pool small enough
+that the tree tombstones window KV, so that a match past a tombstone is cut back and the rest
+recomputed), a session's second turn, an abort and a retraction mid-prefill; after every step
+the engine's integrity check runs, which holds each request's window KV to its window
+(`KVMemory._check_window`), balances both pools (`WindowKV.check`) and checks the cache's
+invariants per component; the idle engine's slots are all free or the tree's, per component.
 """
 
 from __future__ import annotations
@@ -87,27 +89,55 @@ def run(engine: Engine, reqs: list[GenerateRequest], after=None) -> dict[str, li
 
 
 def assert_idle(engine: Engine) -> None:
-    """Nothing running: both pools entirely free (no session parked)."""
+    """Nothing running: each pool's slots are free or the tree's (no session parked)."""
     engine.check_integrity()
     mem = engine.memory
     if not engine.sessions:
-        assert mem.allocator.available_size() == mem.allocator.size
-        assert mem.window.allocator.available_size() == mem.window.size
+        tree = mem.radix.total_size(0) if mem.radix is not None else 0
+        assert mem.allocator.available_size() + tree == mem.allocator.size
+        tree = mem.radix.total_size(1) if mem.radix is not None else 0
+        assert mem.window.allocator.available_size() + tree == mem.window.size
 
 
-def test_greedy_matches_transformers_short_and_past_the_window(engine16, hf, prompts):
+def test_greedy_matches_transformers_short_and_past_the_window(model_dir, hf, prompts):
     reqs = [GenerateRequest(name, prompts[name], sp()) for name in ("short", "long", "other")]
     held: list[int] = []
 
     def window_held(e: Engine, step: int) -> None:
         held.append(e.memory.window.attached())
 
-    out = run(engine16, reqs, window_held)
+    engine = make_engine(model_dir, 16, enable_cache=False)
+    out = run(engine, reqs, window_held)
     for name in ("short", "long", "other"):
         assert out[name] == hf_greedy(hf, prompts[name]), name
     # three requests, each with its window, a page either side and this step's chunk at most
     assert max(held) <= 3 * (WINDOW + 2 * 16) + 192
     assert max(held) < sum(len(p) for p in prompts.values())  # the long ones did let go
+
+
+def test_cached_prefixes_and_a_hit_past_a_tombstone(model_dir, hf, prompts):
+    # a window pool of 800 slots: the tree must tombstone window KV to serve the next prompts
+    engine = make_engine(model_dir, 16, window_kv_tokens=800)
+    radix = engine.memory.radix
+    long, short = prompts["long"], prompts["short"]
+
+    def serve(name: str, prompt: list[int]) -> int:
+        done = run_to_completion(engine, [GenerateRequest(name, prompt, sp())],
+                                 after_step=lambda e, s: e.check_integrity())[name]  # fmt: skip
+        assert_idle(engine)
+        assert done.token_ids == hf_greedy(hf, prompt), name
+        return done.cached_tokens
+
+    assert serve("a", long) == 0
+    assert serve("b", long[:650] + short[5:35]) == 640  # the window behind 640 is intact
+    assert serve("c", long[:300] + prompts["other"][400:500]) == 288  # it needs room: tombstones
+    # (least recently used first, more if need be) until the full KV of "a" matches further
+    # than where every layer can resume: the hit is cut back to before the tombstone
+    m = radix.match_prefix(long[:-1])
+    while m.full_length == m.length and radix.evict_window(1, 16):
+        m = radix.match_prefix(long[:-1])
+    assert m.length < m.full_length
+    assert serve("d", long) == m.length  # and the rest is recomputed, the same text
 
 
 @pytest.mark.parametrize("attention", ["torch", "native"])
@@ -125,7 +155,7 @@ def test_session_turns_continue_past_the_window(engine16, hf, prompts):
     assert engine16.sessions  # parked: it keeps its KV, the window's only for window layers
     second = first + out1 + prompts["short"][1:20]
     out2 = run_to_completion(engine16, [GenerateRequest("t2", second, sp(), **sess)],
-                             after_step=lambda e, s: e.check_integrity())["t2"]
+                             after_step=lambda e, s: e.check_integrity())["t2"]  # fmt: skip
     assert out2.cached_tokens >= len(first) // 16 * 16
     assert out2.token_ids == hf_greedy(hf, second)
     assert engine16.close_session("s1")
