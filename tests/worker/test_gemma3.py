@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mem_cache.events import SLIDING_WINDOW, BlockStored, KVGroup, decode_batch
 from tests.gemma3_env import require_gemma3_dir
 from worker.engine import Engine, EngineConfig
 from worker.offline import run_to_completion
@@ -137,7 +138,24 @@ def test_cached_prefixes_and_a_hit_past_a_tombstone(model_dir, hf, prompts):
     while m.full_length == m.length and radix.evict_window(1, 16):
         m = radix.match_prefix(long[:-1])
     assert m.length < m.full_length
+    stored = stored_blocks(engine)  # tombstoned blocks: stored in group 0 only
+    assert 0 < stored[1] < stored[0]
     assert serve("d", long) == m.length  # and the rest is recomputed, the same text
+    stored = stored_blocks(engine)  # "d" refilled the tombstones on its path
+    assert stored[1] == stored[0]
+
+
+def stored_blocks(engine: Engine) -> dict[int, int]:
+    """Blocks stored per KV group in the engine's event snapshot (each event names its group),
+    checked against the cache's sizes."""
+    stored = {0: 0, 1: 0}
+    for event in decode_batch(engine.snapshot_batch()).events:
+        if isinstance(event, BlockStored):
+            assert event.group in (KVGroup(0), KVGroup(1, SLIDING_WINDOW, WINDOW))
+            stored[event.group.index] += len(event.hashes)
+    radix = engine.memory.radix
+    assert stored == {0: radix.total_size(0) // 16, 1: radix.total_size(1) // 16}
+    return stored
 
 
 @pytest.mark.parametrize("attention", ["torch", "native"])
