@@ -123,11 +123,11 @@ class Engine:
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = None
-        # a sliding-window model caches prefixes in the component cache, a recurrent one not
-        # yet (`worker.kv_memory`)
-        if config.enable_cache and self.runner.window is not None:
-            radix = make_hybrid_cache(allocator, self.runner.window, config.block_size)
-        elif config.enable_cache and self.runner.states is None:
+        # a hybrid model caches prefixes in the component cache (`worker.kv_memory`)
+        window, states = self.runner.window, self.runner.states
+        if config.enable_cache and (window is not None or states is not None):
+            radix = make_hybrid_cache(allocator, window, states, config.block_size)
+        elif config.enable_cache:
             radix = make_radix_cache(
                 allocator,
                 self.kv_pool,

@@ -20,19 +20,24 @@ full layers, group 1 the window layers): a match resumes only where the window b
 intact, an insert hands the tree the window slots beside the full ones it takes, and a window
 pool that runs short tombstones the tree's least recently used window KV. A model with recurrent
 layers has `states` (`worker.state_slots`): each running request and parked session holds one
-state slot; it serves without the prefix cache (`radix=None`).
+state slot, and its component cache (group 1 the recurrent states) keeps copies of states saved
+at checkpoints: where a finished chunk or a request's end is page-aligned (`cache`), and at a
+dropped session's end when that is aligned. A match resumes only at a saved state, which the
+request copies into its own slot; a short state pool evicts the tree's least recently used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from mem_cache.allocator import KVAllocator
-from mem_cache.events import SLIDING_WINDOW, KVGroup
+from mem_cache.events import RECURRENT, SLIDING_WINDOW, KVGroup
 from mem_cache.host_cache import HostKVPool, PoolCopier
 from mem_cache.hybrid_cache import HybridMatch, HybridRadixCache
+from mem_cache.hybrid_node import HybridNode
 from mem_cache.kv_pool import KVPool, ReqToTokenPool
 from mem_cache.radix_cache import RadixCache
 from worker.request import Request, common_prefix_len
@@ -54,8 +59,9 @@ class KVMemory:
         states: StateSlots | None = None,
     ) -> None:
         hybrid = isinstance(radix, HybridRadixCache)
-        assert radix is None or states is None, "recurrent models serve without a prefix cache"
-        assert radix is None or hybrid == (window is not None), "window KV needs the hybrid cache"
+        assert radix is None or hybrid == (window is not None or states is not None), (
+            "a hybrid model needs the component cache, a full-attention one the plain tree"
+        )
         self.window = window
         self.states = states
         self.allocator = allocator
@@ -92,18 +98,29 @@ class KVMemory:
         return True
 
     def _take_state(self, req: Request) -> bool:
-        """A zeroed state slot for a request that starts from its first token, dropping
-        parked sessions for it if need be; False when none can be had."""
+        """A zeroed state slot for a request that starts from its first token, evicting the
+        tree's states and dropping parked sessions for it if need be; False when none."""
         assert req.num_computed == 0
-        while (slot := self.states.alloc()) is None:
+        slot = self._new_state()
+        while slot is None:
             if not self.drop_oldest_session():
                 return False
+            slot = self._new_state()
         req.state_slot = slot
         return True
+
+    def _new_state(self) -> int | None:
+        """A zeroed state slot, evicting one of the tree's if need be; None when none."""
+        slot = self.states.alloc()
+        if slot is None and self.radix is not None and self.radix.evict_states(1):
+            slot = self.states.alloc()
+        return slot
 
     def _match(self, req: Request) -> None:
         if self.radix is None:
             return
+        if self.states is not None and not self._take_state(req):
+            return  # no state slot: `admit` gives up
         m = self.radix.match_prefix(req.tokens[: len(req.tokens) - 1], req.namespace)
         if m.host_length:  # evicted to the host tier: copy it back rather than recompute
             m = self.radix.load_back(m)
@@ -115,6 +132,9 @@ class KVMemory:
         req.prefix_len = req.alloc_len = req.num_computed = req.window_start = m.length
         if self.window is not None:
             assert self.window.intact(full[self.window.horizon(m.length) :]), "window gone"
+        if self.states is not None and m.length:
+            assert m.state is not None, "a recurrent match must end at a saved state"
+            self.states.conv[req.state_slot] = self.states.conv[m.state]
 
     def alloc(self, req: Request, upto: int) -> bool:
         """Grow the request's tail so that tokens[:upto] have slots (whole pages), evicting
@@ -189,13 +209,23 @@ class KVMemory:
         aligned = req.num_computed // self.page_size * self.page_size
         if aligned <= req.prefix_len:
             return
-        self._insert(req.tokens[:aligned], row[:aligned], req.prefix_len, req.namespace)
-        m = self.radix.match_prefix(req.tokens[:aligned], req.namespace)
-        assert m.length == aligned, "inserted tokens not found again"
-        self.rows.write(req.row, 0, _full_slots(m))
-        self.radix.lock(m.node)
+        saved = None
+        if self.states is not None and aligned == req.num_computed:  # a checkpoint
+            saved = self._new_state()
+            if saved is not None:
+                self.states.conv[saved] = self.states.conv[req.state_slot]
+        node = self._insert(req.tokens[:aligned], row[:aligned], req.prefix_len, req.namespace,
+                            saved)  # fmt: skip
+        if node is None:  # the plain tree: find the inserted path again
+            m = self.radix.match_prefix(req.tokens[:aligned], req.namespace)
+            assert m.length == aligned, "inserted tokens not found again"
+            full, node = m.indices, m.node
+        else:  # (a component cache's match may stop short, where a state is saved)
+            full = self.radix.slots(node)
+        self.rows.write(req.row, 0, full)
+        self.radix.lock(node)
         self.radix.unlock(req.node)
-        req.node = m.node
+        req.node = node
         req.prefix_len = aligned
 
     def release(self, req: Request) -> None:
@@ -289,12 +319,16 @@ class KVMemory:
         prefix_len = parked.prefix_len
         if self.radix is not None:
             aligned = len(parked.tokens) // self.page_size * self.page_size
+            state = parked.state_slot
             if aligned > prefix_len:
-                self._insert(
-                    parked.tokens[:aligned], parked.slots[:aligned], prefix_len, parked.namespace
-                )
+                # the session's state goes to the tree where it stands at the aligned end
+                saved = state if aligned == len(parked.tokens) else None
+                self._insert(parked.tokens[:aligned], parked.slots[:aligned], prefix_len,
+                             parked.namespace, saved)  # fmt: skip
+                state = None if saved is not None else state
                 prefix_len = aligned
             self.radix.unlock(parked.node)
+            parked = dataclasses.replace(parked, state_slot=state)
         self._free(parked.slots[prefix_len:])
         if parked.state_slot is not None:
             self.states.free(parked.state_slot)
@@ -309,44 +343,66 @@ class KVMemory:
     # --- tree and free list ------------------------------------------------------------------
 
     def _insert(
-        self, tokens: list[int], slots: torch.Tensor, owned_from: int, namespace: str | None
-    ) -> None:
+        self,
+        tokens: list[int],
+        slots: torch.Tensor,
+        owned_from: int,
+        namespace: str | None,
+        state: int | None = None,
+    ) -> HybridNode | None:
         """Insert tokens[:n] (n page-aligned) whose slots [owned_from, n) the caller owns; the
-        tree keeps the new ones and the caller's duplicates of already-cached tokens are freed."""
+        tree keeps the new ones and the caller's duplicates of already-cached tokens are freed.
+        `state` (recurrent models): a state slot of the caller's holding the state after all of
+        `tokens`, for the tree to keep (freed if it holds one there already). Returns the
+        component cache's node that ends at n (None from the plain tree)."""
         n = len(tokens)
         assert n % self.page_size == 0 and slots.numel() >= n
-        if self.window is not None:
-            self._insert_hybrid(tokens, slots[:n], owned_from, namespace)
-            return
+        if isinstance(self.radix, HybridRadixCache):
+            return self._insert_hybrid(tokens, slots[:n], owned_from, namespace, state)
         already = self.radix.insert(tokens, slots[:n], namespace)
         assert already >= owned_from, "the caller's tree prefix vanished while it was locked"
         # KV regions freed here: the caller's own copies [owned_from, already) of tokens that
         # someone else cached meanwhile; the tree now owns [already, n).
         self._free(slots[owned_from:already])
+        return None
 
     def _insert_hybrid(
-        self, tokens: list[int], slots: torch.Tensor, owned_from: int, namespace: str | None
-    ) -> None:
+        self,
+        tokens: list[int],
+        slots: torch.Tensor,
+        owned_from: int,
+        namespace: str | None,
+        state: int | None,
+    ) -> HybridNode:
         """`_insert` into the component cache: the window slots beside `slots` go with them,
         from the first position after the last one without (the caller let those go).
 
         KV regions freed here: the caller's full copies of tokens the tree already held, and
         the window slots the tree did not take; a window slot the tree took for a tombstone it
-        refilled now sits beside the tree's own full copy (`WindowKV.move`)."""
-        window = self.window.window_of[slots]
-        gone = torch.nonzero(window < 0)
-        start = int(gone[-1, 0]) + 1 if gone.numel() else 0
-        res = self.radix.insert(tokens, slots, windows={1: (start, window[start:])},
+        refilled now sits beside the tree's own full copy (`WindowKV.move`); a state the tree
+        did not take."""
+        windows = None
+        if self.window is not None:
+            window = self.window.window_of[slots]
+            gone = torch.nonzero(window < 0)
+            start = int(gone[-1, 0]) + 1 if gone.numel() else 0
+            windows = {1: (start, window[start:])}
+        states = {len(tokens): state} if state is not None else None
+        res = self.radix.insert(tokens, slots, windows=windows, states=states,
                                 namespace=namespace)  # fmt: skip
         assert res.prefix_len >= owned_from, "the caller's prefix vanished while locked"
         for ids in res.unused_windows.values():
             if len(ids):
                 self.window.allocator.free(ids)  # detaches them from their full slots
+        for slot in res.unused_states:
+            self.states.free(slot)
         unused = torch.from_numpy(res.unused_full)
         if unused.numel():
-            dup = torch.isin(slots, unused)
-            self.window.move(slots[dup], self.radix.slots(res.node)[dup])
+            if self.window is not None:
+                dup = torch.isin(slots, unused)
+                self.window.move(slots[dup], self.radix.slots(res.node)[dup])
             self._free(unused)
+        return res.node
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` from unlocked cache leaves (LRU) if possible."""
@@ -392,7 +448,7 @@ class KVMemory:
         if self.states is not None:
             held = [r.state_slot for r in running] + [s.state_slot for s in self.sessions.values()]
             assert None not in held, "a running request or session without its state"
-            self.states.check(held)
+            self.states.check(held, self.radix.total_size(1) if self.radix is not None else 0)
 
     def _check_window(self, req: Request) -> None:
         """A running request's window KV: all of it from the horizon of its computed tokens
@@ -419,12 +475,17 @@ def _full_slots(m) -> torch.Tensor:
 
 
 def make_hybrid_cache(
-    allocator: KVAllocator, window: WindowKV, block_size: int
+    allocator: KVAllocator, window: WindowKV | None, states: StateSlots | None, block_size: int
 ) -> HybridRadixCache:
-    """The component cache of a sliding-window model: group 0 its full-attention layers over
-    `allocator`, group 1 its window layers over `window`'s allocator (no host tier yet)."""
-    groups = [KVGroup(0), KVGroup(1, SLIDING_WINDOW, window.window)]
-    return HybridRadixCache(groups, [allocator, window.allocator], allocator.page_size, block_size)
+    """The component cache of a hybrid model: group 0 its full-attention layers over
+    `allocator`, group 1 its window layers over `window`'s allocator, or its recurrent states
+    over `states`' (no host tier yet)."""
+    if window is not None:
+        second, alloc = KVGroup(1, SLIDING_WINDOW, window.window), window.allocator
+    else:
+        second, alloc = KVGroup(1, RECURRENT), states.allocator
+    return HybridRadixCache([KVGroup(0), second], [allocator, alloc], allocator.page_size,
+                            block_size)  # fmt: skip
 
 
 def make_radix_cache(

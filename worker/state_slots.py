@@ -3,7 +3,8 @@
 Each running request holds one slot of `RecurrentKVPool.conv` (`Request.state_slot`): the state
 after its `num_computed` tokens. A session turn that parks hands its slot to the session; the
 next turn takes it over when it resumes exactly where the state stands (else it recomputes).
-Slots come zeroed (the state before any token).
+Slots come zeroed (the state before any token). The component radix cache keeps copies of
+states saved at checkpoints in slots of its own from the same allocator (`worker.kv_memory`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ class StateSlots:
     def free(self, slot: int) -> None:
         self.allocator.free([slot])
 
-    def check(self, held: list[int]) -> None:
-        """Conservation: free + held == size, no slot held twice."""
+    def check(self, held: list[int], tree: int = 0) -> None:
+        """Conservation: free + held (requests, sessions) + the tree's == size, no slot held
+        twice."""
         free = self.allocator.available_size()
         assert len(set(held)) == len(held), "a state slot held twice"
-        assert free + len(held) == self.size, f"state slots: free {free} + held {len(held)}"
+        assert free + len(held) + tree == self.size, (
+            f"state slots: free {free} + held {len(held)} + tree {tree} != {self.size}"
+        )

@@ -4,7 +4,9 @@ greedy output identical to transformers' `Lfm2ForCausalLM` on the same directory
 Chunked prefill carries each request's convolution state across chunks; a session's next turn
 resumes from its parked state; an abort and a retraction mid-prefill free the state and the
 retracted request recomputes the same text. After every step the integrity check balances the
-state slots (free + running + parked == all) beside the KV slots, and at idle all are free.
+state slots (free + running + parked + the tree's == all) beside the KV slots. With the
+component cache, a prefix hit resumes only where a state was saved (a page-aligned chunk end),
+copying it.
 """
 
 from __future__ import annotations
@@ -61,9 +63,11 @@ def run(e: Engine, reqs, after=None) -> dict[str, list[int]]:
 
     out = run_to_completion(e, reqs, after_step=each)
     e.check_integrity()
-    if not e.sessions:
-        assert e.memory.states.allocator.available_size() == e.memory.states.size
-        assert e.memory.allocator.available_size() == e.memory.allocator.size
+    if not e.sessions:  # each slot free or the tree's
+        radix = e.memory.radix
+        tree = (radix.total_size(1), radix.total_size(0)) if radix is not None else (0, 0)
+        assert e.memory.states.allocator.available_size() + tree[0] == e.memory.states.size
+        assert e.memory.allocator.available_size() + tree[1] == e.memory.allocator.size
     return {rid: c.token_ids for rid, c in out.items()}
 
 
@@ -106,3 +110,26 @@ def test_abort_and_retraction_mid_prefill(hf, prompts):
     assert len(out["gone"]) < MAX_NEW
     assert out["a"] == hf_greedy(hf, prompts[300])
     assert out["b"] == hf_greedy(hf, prompts[300][::-1])
+
+
+def test_prefix_hits_resume_only_at_saved_states(hf):
+    e = engine(16)  # page 16, 64-token chunks: each chunk end of a prompt is a checkpoint
+    gen = torch.Generator().manual_seed(5)
+    shared, a, b, c = (torch.randint(4, 1024, (n,), generator=gen).tolist()
+                       for n in (64, 20, 30, 25))  # fmt: skip
+    radix = e.memory.radix
+
+    def serve(name: str, prompt: list[int]) -> int:
+        done = run_to_completion(e, [GenerateRequest(name, prompt, sp())],
+                                 after_step=lambda e, s: e.check_integrity())[name]  # fmt: skip
+        e.check_integrity()
+        assert done.token_ids == hf_greedy(hf, prompt), name
+        return done.cached_tokens
+
+    assert serve("a", shared + a) == 0
+    assert serve("b", shared + b) == 64  # the state saved at the end of "a"'s first chunk
+    # the full KV of 48 tokens of "c" is in the tree, but no state stands there: recomputed
+    m = radix.match_prefix(shared[:50] + c)
+    assert m.full_length == 48 and m.length == 0
+    assert serve("c", shared[:50] + c) == 0
+    assert radix.total_size(1) >= 2  # states the tree holds (group 1), balanced by the check
