@@ -101,7 +101,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", vllm_model_dir(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--max-model-len", str(args.max_model_len)]
@@ -109,6 +110,21 @@ def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subp
         cmd.append("--enforce-eager")
     return subprocess.Popen(["nice", "-n", str(args.vllm_nice), *cmd], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def vllm_model_dir(model_dir: str) -> str:
+    """`model_dir`, or where its config names the GGUF it was made from (transformers' GGUF
+    loader leaves `quantization_config` there, which vLLM refuses) a folder beside it of links
+    to its files and the config without that key: the same float weights."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.pop("quantization_config", None) is None:
+        return model_dir
+    dest = Path(tempfile.mkdtemp(prefix="vllm-model-"))
+    for f in Path(model_dir).iterdir():
+        if f.name != "config.json" and f.suffix != ".gguf":
+            (dest / f.name).symlink_to(f)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(dest)
 
 
 def start_radixray(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
