@@ -307,7 +307,8 @@ class KVMemory:
         req.alloc_len = req.num_computed = reuse
         req.state_slot = parked.state_slot
         if self.window is not None:
-            req.window_start = self.window.first_attached(parked.slots[:reuse])
+            own = parked.slots[parked.prefix_len : reuse]
+            req.window_start = parked.prefix_len + self.window.first_attached(own)
 
     def drop_session(self, parked: ParkedSession) -> None:
         """Release a session's KV (close, TTL, pressure, a turn that diverged): its computed

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mem_cache.allocator import KVAllocator
 from mem_cache.kv_pool import KVPool
@@ -89,3 +92,72 @@ def test_check_finds_a_window_slot_left_on_a_freed_full_slot():
     full.free(slots[:4])  # freed without detaching: its window slots leak
     with pytest.raises(AssertionError, match="free full slot"):
         w.check(torch.from_numpy(full.free_slot_ids()))
+
+
+class WindowKVMachine(RuleBasedStateMachine):
+    """Random attaches, detaches, frees by the window allocator (what the radix cache does when
+    it tombstones) and moves (a refilled tombstone): the mapping both ways and the conservation
+    check hold after every step, and a model of who holds what agrees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = KVAllocator(64, 4)
+        self.w = window_kv()
+        self.owned: list[torch.Tensor] = []  # full pages someone holds
+        self.beside: dict[int, int] = {}  # the model: full slot -> window slot
+
+    @rule(pages=st.integers(1, 4))
+    def attach(self, pages: int) -> None:
+        slots = self.full.alloc(4 * pages)
+        if slots is None:
+            return
+        if self.w.attach(slots):
+            self.beside.update(zip(slots.tolist(), self.w.window_of[slots].tolist(), strict=True))
+        self.owned.extend(slots.view(-1, 4))
+
+    @rule(data=st.data())
+    def detach(self, data) -> None:
+        if self.owned:
+            page = data.draw(st.sampled_from(self.owned))
+            self.w.detach(page)
+            for s in page.tolist():
+                self.beside.pop(s, None)
+
+    @rule(data=st.data())
+    def tombstone(self, data) -> None:
+        held = [p for p in self.owned if self.w.intact(p)]
+        if held:
+            page = data.draw(st.sampled_from(held))
+            self.w.allocator.free(self.w.window_of[page])
+            for s in page.tolist():
+                del self.beside[s]
+
+    @rule(data=st.data())
+    def move(self, data) -> None:
+        held = [p for p in self.owned if self.w.intact(p)]
+        bare = [p for p in self.owned if not bool((self.w.window_of[p] >= 0).any())]
+        if held and bare:
+            old, new = data.draw(st.sampled_from(held)), data.draw(st.sampled_from(bare))
+            self.w.move(old, new)
+            for o, n in zip(old.tolist(), new.tolist(), strict=True):
+                self.beside[n] = self.beside.pop(o)
+
+    @rule(data=st.data())
+    def free_full(self, data) -> None:
+        if self.owned:
+            page = data.draw(st.sampled_from(self.owned))
+            self.owned = [p for p in self.owned if p is not page]
+            self.w.detach(page)
+            self.full.free(page)
+            for s in page.tolist():
+                self.beside.pop(s, None)
+
+    @invariant()
+    def consistent(self) -> None:
+        self.w.check(torch.from_numpy(self.full.free_slot_ids()))
+        mapped = {i: int(v) for i, v in enumerate(self.w.window_of[:64].tolist()) if v >= 0}
+        assert mapped == self.beside
+
+
+TestWindowKVMachine = WindowKVMachine.TestCase
+TestWindowKVMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
