@@ -110,7 +110,7 @@ def corrupt_cases():
 
     return [
         (tomb_leaf, "tombstones"), (wlock, "locks"), (size, "sizes"), (free_slot, "slots"),
-        (event, "events"), (state_off, "s"), (host_prefix, "host prefix"),
+        (event, "events"), (state_off, "slots"), (host_prefix, "host prefix"),
     ]
 
 
