@@ -6,8 +6,8 @@ Gemma 3) and `recurrent` (full attention + a recurrent group, as LFM2; states sa
 random-length prefix with one of 64 shared documents. The tree is filled to `--tree-tokens`,
 then `--ops` requests are served as an engine does (match, lock, allocate the new tokens' KV of
 every group, keep only window + chunk of window KV (`--keep all`: all of it), insert, free what
-the tree did not take, unlock; evict a component when its allocator runs short), timing match_prefix and insert (CPU
-seconds of this process). Then one eviction of 1% of each component is timed.
+the tree did not take, unlock; evict a component when its allocator runs short), timing
+match_prefix and insert (CPU seconds of this process). Then one eviction of 1% of each component is timed.
 
 Prints one line per shape and page size (medians over `--runs`).
 Run: `python bench/bench_hybrid_cache.py [--page-sizes 1,16] [--shapes window,recurrent]`.
@@ -140,7 +140,8 @@ def main() -> None:
             runs = [run(shape, page, args, seed) for seed in range(args.runs)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             print(f"{shape:9s} keep {args.keep:6s} page {page:2d}: "
-                  f"match {med['match_us']:7.0f} us  insert {med['insert_us']:7.0f} us  evict 1% full {med['evict_full_ms']:6.1f}"
+                  f"match {med['match_us']:7.0f} us  insert {med['insert_us']:7.0f} us  "
+                  f"evict 1% full {med['evict_full_ms']:6.1f}"
                   f" ms  evict 1% {'window' if shape == 'window' else 'states'} "
                   f"{med['evict_second_ms']:6.1f} ms  hit {med['hit']:.2f}  "
                   f"nodes {med['nodes']:.0f}  (medians of {args.runs})")
