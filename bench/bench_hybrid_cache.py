@@ -7,7 +7,8 @@ random-length prefix with one of 64 shared documents. The tree is filled to `--t
 then `--ops` requests are served as an engine does (match, lock, allocate the new tokens' KV of
 every group, keep only window + chunk of window KV (`--keep all`: all of it), insert, free what
 the tree did not take, unlock; evict a component when its allocator runs short), timing
-match_prefix and insert (CPU seconds of this process). Then one eviction of 1% of each component is timed.
+match_prefix and insert (CPU seconds of this process). Then one eviction of 1% of each
+component is timed.
 
 Prints one line per shape and page size (medians over `--runs`).
 Run: `python bench/bench_hybrid_cache.py [--page-sizes 1,16] [--shapes window,recurrent]`.
