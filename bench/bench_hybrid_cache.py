@@ -85,7 +85,7 @@ def run(shape: str, page: int, args: argparse.Namespace, seed: int) -> dict[str,
     allocs = [KVAllocator(size, page)]
     if shape == "window":
         groups.append(KVGroup(1, SLIDING_WINDOW, args.window))
-        allocs.append(KVAllocator(size // 4 // page * page, page))
+        allocs.append(KVAllocator(int(size * args.window_pool) // page * page, page))
     else:
         groups.append(KVGroup(1, RECURRENT))
         allocs.append(KVAllocator(size // args.chunk * 2, 1))
@@ -99,7 +99,9 @@ def run(shape: str, page: int, args: argparse.Namespace, seed: int) -> dict[str,
         fresh[:shared] = bases[int(rng.integers(64))][:shared]
         return fresh
 
-    while cache.total_size() < args.tree_tokens:
+    for _ in range(3 * args.tree_tokens // length):  # the window pool may cap the tree
+        if cache.total_size() >= args.tree_tokens:
+            break
         serve(cache, prompt(), policy, args.chunk, clock, args.keep == "window")
     clock[:] = [0.0, 0.0]
     hits = 0
@@ -108,7 +110,8 @@ def run(shape: str, page: int, args: argparse.Namespace, seed: int) -> dict[str,
         hits += cache.match_prefix(tokens).length
         serve(cache, tokens, policy, args.chunk, clock, args.keep == "window")
     out = {"match_us": clock[0] / args.ops * 1e6, "insert_us": clock[1] / args.ops * 1e6,
-           "hit": hits / (args.ops * length), "nodes": cache.num_nodes()}
+           "hit": hits / (args.ops * length), "nodes": cache.num_nodes(),
+           "tree": cache.total_size()}
     t = time.perf_counter()
     cache.evict(cache.total_size() // 100)
     out["evict_full_ms"] = (time.perf_counter() - t) * 1e3
@@ -130,6 +133,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--window-pool", type=float, default=1.0,
+                        help="window KV pool size, as a fraction of the full-attention pool")
     parser.add_argument("--ops", type=int, default=300)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--keep", choices=["window", "all"], default="window",
@@ -145,7 +150,7 @@ def main() -> None:
                   f"evict 1% full {med['evict_full_ms']:6.1f}"
                   f" ms  evict 1% {'window' if shape == 'window' else 'states'} "
                   f"{med['evict_second_ms']:6.1f} ms  hit {med['hit']:.2f}  "
-                  f"nodes {med['nodes']:.0f}  (medians of {args.runs})")
+                  f"nodes {med['nodes']:.0f}  tree {med['tree']:.0f}  (medians of {args.runs})")
 
 
 if __name__ == "__main__":
