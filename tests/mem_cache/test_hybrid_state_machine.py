@@ -30,7 +30,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         self.protected = []
 
-    OPS = ("run",) * 4 + ("revisit",) * 3 + ("pause", "pause", "resume", "resume", "match",
+    OPS = ("run",) * 4 + ("revisit",) * 3 + ("pause", "pause", "resume", "resume", "match", "abort",
            "evict_full", "evict_window", "evict_states", "evict_host", "protect", "release",
            "reset")
 
@@ -59,6 +59,10 @@ class HybridMachine(RuleBasedStateMachine):
             if h.advance(req, len(tokens)):
                 h.finish(req)
             else:
+                h.abort(req)
+        elif op == "abort":  # a locked match released without insert
+            req = h.start(tokens, load=flag)
+            if req is not None:
                 h.abort(req)
         elif op == "resume" and h.requests:
             req = data.draw(st.sampled_from(h.requests))
