@@ -134,6 +134,9 @@ CONFIGS = {
                            policy="write_back"),
     "hybrid_host": dict(windows=(4,), recurrent=True, page=2, block=2, device=16, host=40,
                         states=6, interval=4),
+    # blocks that pages do not tile (two siblings may hold one block), a window under a page
+    "odd_blocks": dict(windows=(1, 5), recurrent=True, page=2, block=3, device=20, host=40,
+                       states=6, policy="write_back"),
 }
 
 
@@ -146,6 +149,7 @@ EXPECT = {
     "window_host_wt": ("hit", "host hit", "loaded back", "host-only", "tombstone"),
     "window_host_wb": ("hit", "host hit", "loaded back", "host-only", "tombstone"),
     "hybrid_host": ("hit", "host hit", "loaded back", "host-only", "state"),
+    "odd_blocks": ("hit", "host hit", "host-only", "tombstone", "state"),
 }
 
 
