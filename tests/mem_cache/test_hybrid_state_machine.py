@@ -120,7 +120,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert cache.protected_size(g.index) == 0, f"group {g.index}: a lock leaked"
 
 
-MAX_EXAMPLES = int(os.environ.get("HYBRID_MAX_EXAMPLES", "60"))
+MAX_EXAMPLES = int(os.environ.get("HYBRID_MAX_EXAMPLES", "100"))
 
 PHASES = [p for p in Phase if p is not Phase.shrink or not os.environ.get("HYBRID_NO_SHRINK")]
 
