@@ -501,15 +501,15 @@ class HybridRadixCache:
         return out
 
     def _split_at_cover(self, path: list[HybridNode], wins: list) -> list[HybridNode]:
-        """Split tombstoned device nodes that a window group's coverage starts inside, so that
-        the covered part can be refilled."""
+        """Split the nodes without window KV of a group (tombstones, host-only nodes) that the
+        request's window KV of that group starts inside, so that the covered part can take it
+        (a host-only node brought back in one piece would be a tombstoned leaf)."""
         out: list[HybridNode] = []
         order = sorted(range(len(wins)), key=lambda i: wins[i][0])
         for node in path:
             for i in order:
                 cover = wins[i][0]
-                if (not node.evicted and node.windows[i] is None
-                        and node.start < cover < node.end):
+                if node.windows[i] is None and node.start < cover < node.end:
                     out.append(self._split(node, cover - node.start))
             out.append(node)
         return out

@@ -34,7 +34,7 @@ class HybridMachine(RuleBasedStateMachine):
            "evict_full", "evict_window", "evict_states", "evict_host", "protect", "release",
            "reset")
 
-    @rule(op=st.sampled_from(OPS), tokens=st.lists(st.integers(0, 1), max_size=8),
+    @rule(op=st.sampled_from(OPS), tokens=st.lists(st.integers(0, 1), max_size=12),
           num=st.sampled_from([1, 2, 4, 8, 100]), flag=st.booleans(), data=st.data())
     def step(self, op, tokens, num, flag, data) -> None:
         h, page = self.h, self.h.page
@@ -43,6 +43,8 @@ class HybridMachine(RuleBasedStateMachine):
             tokens = base[: data.draw(st.integers(0, len(base)))] + tokens
             op = "run"
         tokens = tokens[: len(tokens) // page * page]
+        # how much window KV past the window a request keeps (its last chunk's)
+        h.keep = [max(w, page) + page * (1 + num % 3) for w in h.windows]
         if op in ("run", "pause"):
             # a prefill in two chunks: the first ends at `mid`, inserted with the lock moved
             mid = data.draw(st.integers(0, len(tokens) // page)) * page
