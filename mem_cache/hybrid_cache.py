@@ -137,7 +137,7 @@ class HybridRadixCache:
             raise ValueError("every group needs its allocator")
         self.page_size = page_size
         self.block_size = block_size
-        self.allocators = tuple(allocators)
+        self.allocators: tuple[KVAllocator, ...] = tuple(allocators)  # type: ignore[arg-type]
         self.full = kinds.index(FULL_ATTENTION)  # component positions in `groups`
         self.window_pos = [c for c, k in enumerate(kinds) if k == SLIDING_WINDOW]
         self.window_sizes = [self.groups[c].window or 0 for c in self.window_pos]
@@ -145,7 +145,7 @@ class HybridRadixCache:
         self.recurrent = kinds.index(RECURRENT) if RECURRENT in kinds else None
         for c, alloc in enumerate(self.allocators):
             want = 1 if c == self.recurrent else page_size
-            if alloc is not None and alloc.page_size != want:
+            if alloc.page_size != want:
                 raise ValueError(f"group {self.groups[c].index}: allocator page_size != {want}")
         self._page_bytes = page_size * TOKEN_BYTES
         self._events: list[KVEvent] = []
@@ -501,15 +501,15 @@ class HybridRadixCache:
         return out
 
     def _split_at_cover(self, path: list[HybridNode], wins: list) -> list[HybridNode]:
-        """Split tombstoned device nodes that a window group's coverage starts inside, so that
-        the covered part can be refilled."""
+        """Split the nodes without window KV of a group (tombstones, host-only nodes) that the
+        request's window KV of that group starts inside, so that the covered part can take it
+        (a host-only node brought back in one piece would be a tombstoned leaf)."""
         out: list[HybridNode] = []
         order = sorted(range(len(wins)), key=lambda i: wins[i][0])
         for node in path:
             for i in order:
                 cover = wins[i][0]
-                if (not node.evicted and node.windows[i] is None
-                        and node.start < cover < node.end):
+                if node.windows[i] is None and node.start < cover < node.end:
                     out.append(self._split(node, cover - node.start))
             out.append(node)
         return out
@@ -755,8 +755,8 @@ class HybridRadixCache:
         self._count(node, c, -len(node))
         self._removed(node, c)
         node.windows[i] = None
-        if pages is not None and self.allocators[c] is not None:
-            self.allocators[c].free_pages(pages)  # type: ignore[union-attr]
+        if pages is not None:
+            self.allocators[c].free_pages(pages)
 
     def _drop_state(self, node: HybridNode) -> None:
         c = self.recurrent
@@ -764,8 +764,7 @@ class HybridRadixCache:
         self._count(node, c, -1)
         self._removed(node, c)
         slot, node.state = node.state, NO_STATE
-        if self.allocators[c] is not None:
-            self.allocators[c].free_pages(np.array([slot], dtype=np.int64))  # type: ignore
+        self.allocators[c].free_pages(np.array([slot], dtype=np.int64))
 
     def _off_device(self, node: HybridNode) -> None:
         """An unpinned device leaf loses the device: every component is freed; it stays on host
@@ -778,8 +777,8 @@ class HybridRadixCache:
             self._drop_state(node)
         self._count(node, self.full, -len(node))
         self._removed(node, self.full)
-        if node.value is not None and self.allocators[self.full] is not None:
-            self.allocators[self.full].free_pages(node.value)  # type: ignore[union-attr]
+        if node.value is not None:
+            self.allocators[self.full].free_pages(node.value)
         node.value = None
         node.evicted = True
         if node.host_ready:
@@ -883,14 +882,13 @@ class HybridRadixCache:
         for node in reversed(nodes):  # leaves first
             if not node.evicted:
                 for i, pages in enumerate(node.windows):
-                    if pages is not None and self.allocators[self.window_pos[i]] is not None:
-                        self.allocators[self.window_pos[i]].free_pages(pages)  # type: ignore
+                    if pages is not None:
+                        self.allocators[self.window_pos[i]].free_pages(pages)
                 if node.state != NO_STATE and self.recurrent is not None:
-                    alloc = self.allocators[self.recurrent]
-                    if alloc is not None:
-                        alloc.free_pages(np.array([node.state], dtype=np.int64))
-                if node.value is not None and self.allocators[self.full] is not None:
-                    self.allocators[self.full].free_pages(node.value)  # type: ignore
+                    states = np.array([node.state], dtype=np.int64)
+                    self.allocators[self.recurrent].free_pages(states)
+                if node.value is not None:
+                    self.allocators[self.full].free_pages(node.value)
         self.host.clear(nodes)
         for node in nodes:
             node.parent = None

@@ -188,3 +188,44 @@ def test_insert_refills_a_tombstone_the_request_covers(page):
     assert len(res.unused_windows[1]) == 0
     cache.check_integrity()
     assert m.length == 0 and cache.match_prefix(tokens).length == 12
+
+
+def test_a_locked_tombstone_survives_the_cascade_and_goes_when_unlocked():
+    """An insert that ends at an inner tombstoned node (the request has no window KV there)
+    returns that node, and the engine locks it. Evicting its children must not remove it (its
+    full KV is in use); it is removed once unlocked, as no device leaf may be a tombstone."""
+    cache = window_cache(window=2)
+    a = list(range(6))
+    x = put(cache, a)
+    put(cache, a + [6, 7, 8, 9], start=6)
+    cache.evict_window(1, 6)  # x (inner) becomes a tombstone
+    full_alloc, _ = cache.allocators
+    res = cache.insert(a, cache.slots(x))  # no window KV: x stays a tombstone
+    assert res.node is x and x.windows[0] is None and not len(res.unused_full)
+    cache.lock(x)
+    cache.evict(100)  # the child goes; x is now a locked tombstone leaf
+    assert x.parent is cache.root and not x.evicted
+    cache.check_integrity()
+    cache.unlock(x)
+    assert x.parent is None, "unlocked, the tombstone leaf is removed"
+    assert full_alloc.available_size() == full_alloc.size
+    cache.check_integrity()
+
+
+def test_insert_over_a_host_only_node_splits_it_where_the_window_kv_starts():
+    """An insert that brings a host-only node back to device with the request's KV gives it the
+    window KV the request has; a node that the request covers only in part is split there, so
+    that the device does not gain a tombstoned leaf."""
+    cache = window_cache(window=2, host=64, page=2)
+    tokens = list(range(8))
+    put(cache, tokens)
+    cache.evict(100)
+    node = cache.match_prefix(tokens).host_node
+    assert node is not None and node.evicted and len(node) == 8
+    full_alloc, win_alloc = cache.allocators
+    res = cache.insert(tokens, full_alloc.alloc(8), {1: (4, win_alloc.alloc(4))})
+    assert res.node is node and not node.evicted and node.windows[0] is not None
+    assert node.start == 4 and node.parent.windows[0] is None  # the split: a tombstone above
+    assert not len(res.unused_full) and not len(res.unused_windows[1])
+    cache.check_integrity()
+    assert cache.match_prefix(tokens).length == 8

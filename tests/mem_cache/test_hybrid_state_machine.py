@@ -30,11 +30,11 @@ class HybridMachine(RuleBasedStateMachine):
         self.prompts: list[list[int]] = []
         self.protected = []
 
-    OPS = ("run",) * 4 + ("revisit",) * 3 + ("pause", "pause", "resume", "resume", "match",
+    OPS = ("run",) * 4 + ("revisit",) * 3 + ("pause", "pause", "resume", "resume", "match", "abort",
            "evict_full", "evict_window", "evict_states", "evict_host", "protect", "release",
            "reset")
 
-    @rule(op=st.sampled_from(OPS), tokens=st.lists(st.integers(0, 1), max_size=8),
+    @rule(op=st.sampled_from(OPS), tokens=st.lists(st.integers(0, 1), max_size=12),
           num=st.sampled_from([1, 2, 4, 8, 100]), flag=st.booleans(), data=st.data())
     def step(self, op, tokens, num, flag, data) -> None:
         h, page = self.h, self.h.page
@@ -43,6 +43,8 @@ class HybridMachine(RuleBasedStateMachine):
             tokens = base[: data.draw(st.integers(0, len(base)))] + tokens
             op = "run"
         tokens = tokens[: len(tokens) // page * page]
+        # how much window KV past the window a request keeps (its last chunk's)
+        h.keep = [max(w, page) + page * (1 + num % 3) for w in h.windows]
         if op in ("run", "pause"):
             # a prefill in two chunks: the first ends at `mid`, inserted with the lock moved
             mid = data.draw(st.integers(0, len(tokens) // page)) * page
@@ -59,6 +61,10 @@ class HybridMachine(RuleBasedStateMachine):
             if h.advance(req, len(tokens)):
                 h.finish(req)
             else:
+                h.abort(req)
+        elif op == "abort":  # a locked match released without insert
+            req = h.start(tokens, load=flag)
+            if req is not None:
                 h.abort(req)
         elif op == "resume" and h.requests:
             req = data.draw(st.sampled_from(h.requests))
@@ -116,7 +122,7 @@ class HybridMachine(RuleBasedStateMachine):
             assert cache.protected_size(g.index) == 0, f"group {g.index}: a lock leaked"
 
 
-MAX_EXAMPLES = int(os.environ.get("HYBRID_MAX_EXAMPLES", "60"))
+MAX_EXAMPLES = int(os.environ.get("HYBRID_MAX_EXAMPLES", "100"))
 
 PHASES = [p for p in Phase if p is not Phase.shrink or not os.environ.get("HYBRID_NO_SHRINK")]
 
@@ -130,6 +136,9 @@ CONFIGS = {
                            policy="write_back"),
     "hybrid_host": dict(windows=(4,), recurrent=True, page=2, block=2, device=16, host=40,
                         states=6, interval=4),
+    # blocks that pages do not tile (two siblings may hold one block), a window under a page
+    "odd_blocks": dict(windows=(1, 5), recurrent=True, page=2, block=3, device=20, host=40,
+                       states=6, policy="write_back"),
 }
 
 
@@ -142,6 +151,7 @@ EXPECT = {
     "window_host_wt": ("hit", "host hit", "loaded back", "host-only", "tombstone"),
     "window_host_wb": ("hit", "host hit", "loaded back", "host-only", "tombstone"),
     "hybrid_host": ("hit", "host hit", "loaded back", "host-only", "state"),
+    "odd_blocks": ("hit", "host hit", "host-only", "tombstone", "state"),
 }
 
 
