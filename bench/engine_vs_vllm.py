@@ -25,12 +25,18 @@ Workloads (`radixray bench`, streaming completions, greedy, ignore_eos):
   chat: multi-turn chat with sessions (`session_id`), `--chat-sessions` x `--chat-turns`,
     32 output tokens per turn, arrivals compressed by `--chat-speed`.
 
+`--model gemma3-270m` runs the same against Gemma 3 270M (15 of its 18 layers attend over a
+512-token sliding window; the chat's prompts pass the window from the first turn): `--kv-gib`
+then sizes radixray's pool of full-attention layers, and its window layers' pool is sized by
+the engine (each running request's window, a page either side, one step's chunk).
+
 The goals of bench/bench_engine.py (3x HF static-batch `generate` at 32 concurrent, cached TTFT
 <= 0.15x uncached) are that script's; run it with `--model DIR` on the same directory.
 
     RADIXRAY_VLLM_PYTHON=/path/to/vllm-venv/bin/python python bench/engine_vs_vllm.py
     python bench/engine_vs_vllm.py --only radixray --json out.json   # no vLLM environment
     python bench/engine_vs_vllm.py --radixray-args="--compile"        # flags for `serve`
+    python bench/engine_vs_vllm.py --model gemma3-270m --json bench/results/x.json
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import signal
 import statistics
@@ -94,7 +101,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads),
            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", vllm_model_dir(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
            "--enable-prefix-caching", "--enable-prompt-tokens-details",
            "--max-model-len", str(args.max_model_len)]
@@ -104,13 +112,31 @@ def start_vllm(args: argparse.Namespace, model_dir: str, port: int, log) -> subp
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def vllm_model_dir(model_dir: str) -> str:
+    """`model_dir`, or where its config names the GGUF it was made from (transformers' GGUF
+    loader leaves `quantization_config` there, which vLLM refuses) a folder beside it of links
+    to its files and the config without that key: the same float weights."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config.pop("quantization_config", None) is None:
+        return model_dir
+    dest = Path(tempfile.mkdtemp(prefix="vllm-model-"))
+    for f in Path(model_dir).iterdir():
+        if f.name != "config.json" and f.suffix != ".gguf":
+            (dest / f.name).symlink_to(f)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return str(dest)
+
+
 def start_radixray(args: argparse.Namespace, model_dir: str, port: int, log) -> subprocess.Popen:
     # KV slots of the same bytes as vLLM's cache (K and V of every layer, in the run's dtype)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     itemsize = 4 if args.dtype == "float32" else 2
-    per_token = (2 * itemsize * config["num_hidden_layers"] * config["num_key_value_heads"]
-                 * head_dim)
+    # the engine's slots hold the full-attention layers (a sliding-window model's window layers
+    # have a pool of their own, sized by the engine)
+    layers = config["num_hidden_layers"] - (config.get("layer_types") or []).count(
+        "sliding_attention")
+    per_token = 2 * itemsize * layers * config["num_key_value_heads"] * head_dim
     kv_tokens = int(args.kv_gib * (1 << 30) // per_token)
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model_dir, "--workers", "1",
            "--cpus-per-worker", str(args.threads), "--num-cpus", str(args.threads + 1),
@@ -296,9 +322,25 @@ def main() -> int:
     checks = report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "model_dir": model_dir, "results": results, "rounds": rounds,
+            {"args": vars(args), "model_dir": model_dir, "commit": _commit(),
+             "machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(),
+                         "platform": platform.platform()},
+             "results": results, "rounds": rounds,
              "goals": [{"goal": line, "pass": ok} for line, ok in checks]}, indent=2) + "\n")
     return 0
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                         text=True)
+    return out.stdout.strip()
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -12,16 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mem_cache.events import DEVICE, BlockRemoved, BlockStored, KVEvent
+from mem_cache.events import DEVICE, BlockRemoved, BlockStored, KVEvent, KVGroup
 from mem_cache.radix_node import TreeNode
 
 
 class BlockLedger:
-    """Block events of one medium, appended to a shared, ordered event list."""
+    """Block events of one medium (and one KV group of a hybrid model: `group`, None for a
+    full-attention-only model), appended to a shared, ordered event list."""
 
-    def __init__(self, out: list[KVEvent], medium: str = DEVICE, count_holders: bool = False):
+    def __init__(
+        self,
+        out: list[KVEvent],
+        medium: str = DEVICE,
+        count_holders: bool = False,
+        group: KVGroup | None = None,
+    ):
         self.out = out
         self.medium = medium
+        self.group = group
         self.refs: dict[int, int] | None = {} if count_holders else None
 
     def clear(self) -> None:
@@ -33,7 +41,7 @@ class BlockLedger:
         """A node gained the medium: `hashes` are its blocks, `before` the block preceding them."""
         refs = self.refs
         if refs is None:
-            self.out.append(BlockStored(list(hashes), before, self.medium))
+            self.out.append(BlockStored(list(hashes), before, self.medium, self.group))
             return
         run: list[int] = []
         for h in hashes:
@@ -42,11 +50,11 @@ class BlockLedger:
                 run.append(h)
                 continue
             if run:
-                self.out.append(BlockStored(run, before, self.medium))
+                self.out.append(BlockStored(run, before, self.medium, self.group))
                 run = []
             before = h
         if run:
-            self.out.append(BlockStored(run, before, self.medium))
+            self.out.append(BlockStored(run, before, self.medium, self.group))
 
     def check(self, nodes: list[TreeNode], holds: Callable[[TreeNode], bool]) -> None:
         """Raise `AssertionError` unless the holder counts match the `nodes` where `holds`."""
@@ -59,11 +67,16 @@ class BlockLedger:
                     counts[h] = counts.get(h, 0) + 1
         assert counts == self.refs, "events: block holder counts do not match the tree"
 
+    def check_counts(self, counts: dict[int, int]) -> None:
+        """Raise `AssertionError` unless the holder counts are `counts` (block -> holders)."""
+        if self.refs is not None:
+            assert counts == self.refs, f"events: {self.medium} block holders do not match the tree"
+
     def removed(self, hashes: list[int]) -> None:
         """A node lost the medium: `hashes` are its blocks."""
         refs = self.refs
         if refs is None:
-            self.out.append(BlockRemoved(list(hashes), self.medium))
+            self.out.append(BlockRemoved(list(hashes), self.medium, self.group))
             return
         gone = []
         for h in hashes:
@@ -72,7 +85,7 @@ class BlockLedger:
                 del refs[h]
                 gone.append(h)
         if gone:
-            self.out.append(BlockRemoved(gone, self.medium))
+            self.out.append(BlockRemoved(gone, self.medium, self.group))
 
 
 def snapshot_stored(

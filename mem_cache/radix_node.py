@@ -119,7 +119,7 @@ class TreeNode:
         assert 0 < length < len(self) and length % page_size == 0, "split off the pages"
         cut, cut_pages = length * TOKEN_BYTES, length // page_size
         num_blocks = (self.start + length) // block_size - self.start // block_size
-        upper = TreeNode(
+        upper = self.new_node(
             self.parent,
             self.key[:cut],
             None if self.value is None else self.value[:cut_pages].copy(),
@@ -141,6 +141,10 @@ class TreeNode:
         self.parent = upper
         upper.children[self.key[: page_size * TOKEN_BYTES]] = self
         return upper
+
+    def new_node(self, *args: object) -> TreeNode:
+        """A new node of this node's kind (`split` makes its upper half with it)."""
+        return TreeNode(*args)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"TreeNode(start={self.start}, len={len(self)}, lock={self.lock_ref})"

@@ -19,7 +19,7 @@ from worker.compiled import compile_model
 from worker.heap import retain_freed_memory
 from worker.kernels.linear import pack_linears
 from worker.kv_events import EventLog
-from worker.kv_memory import KVMemory, make_radix_cache
+from worker.kv_memory import KVMemory, make_hybrid_cache, make_radix_cache
 from worker.loader.weights import quantized_linears, resolve_dtype
 from worker.model_runner import ModelRunner
 from worker.protocol import GenerateRequest, SamplingParams, TokenChunk, WorkerStats
@@ -41,6 +41,9 @@ class EngineConfig:
     # "torch" (reference) | "triton" | "flashinfer"
     attention: str = "auto"
     kv_tokens: int | None = None  # KV pool slots; None: sized from free memory
+    # sliding-window models: slots of the window layers' pool; None: each running request's
+    # window and a page either side, plus one step's chunk (`ModelRunner.window_tokens`)
+    window_kv_tokens: int | None = None
     page_size: int = 1
     block_size: int = 16  # tokens per block hash (KV events), as the router uses
     max_running: int = 64
@@ -109,11 +112,22 @@ class Engine:
             config.max_running * self.max_context
         )
         kv_tokens = kv_tokens // config.page_size * config.page_size
-        self.runner.allocate_kv(kv_tokens)
+        window_tokens = self.runner.window_tokens(
+            kv_tokens, config.max_running, config.prefill_budget, config.page_size
+        )
+        if config.window_kv_tokens is not None and window_tokens:
+            window_tokens = config.window_kv_tokens // config.page_size * config.page_size
+        # a state per running request, and as many for parked sessions
+        self.runner.allocate_kv(kv_tokens, window_tokens, config.page_size,
+                                num_states=2 * config.max_running)  # fmt: skip
         self.kv_pool = self.runner.kv_pool
         allocator = KVAllocator(kv_tokens, config.page_size)
         radix = None
-        if config.enable_cache:
+        # a hybrid model caches prefixes in the component cache (`worker.kv_memory`)
+        window, states = self.runner.window, self.runner.states
+        if config.enable_cache and (window is not None or states is not None):
+            radix = make_hybrid_cache(allocator, window, states, config.block_size)
+        elif config.enable_cache:
             radix = make_radix_cache(
                 allocator,
                 self.kv_pool,
@@ -126,7 +140,9 @@ class Engine:
         if config.cuda_graphs:  # on a CUDA device only (`worker.cuda_graphs`)
             self.runner.enable_cuda_graphs(config.max_running, config.prefill_budget)
         self.sessions = SessionTable()
-        self.memory = KVMemory(allocator, radix, rows, self.sessions)
+        self.memory = KVMemory(
+            allocator, radix, rows, self.sessions, self.runner.window, self.runner.states
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_running, config.prefill_budget, config.aging_steps),
             self.memory,
@@ -261,6 +277,7 @@ class Engine:
         self.num_computed_tokens += sum(batch.num_new)
         for req, n in zip(batch.requests, batch.num_new, strict=True):
             req.num_computed += n
+            self.memory.slide(req)
 
     def _cache_chunks(self, batch: ScheduledBatch) -> int:
         """Hand the prefill chunks the pass computed to the cache; returns their tokens."""
@@ -368,7 +385,7 @@ class Engine:
 
     def stats(self) -> WorkerStats:
         radix = self.memory.radix
-        host = radix.host_allocator if radix else None
+        host = getattr(radix, "host_allocator", None)
         return WorkerStats(
             worker_id=self.worker_id,
             kv_total=self.memory.allocator.size,

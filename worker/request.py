@@ -56,6 +56,8 @@ class Request:
     num_computed: int = 0
     prefix_len: int = 0
     alloc_len: int = 0
+    window_start: int = 0  # sliding-window models: positions below hold no window KV
+    state_slot: int | None = None  # recurrent models: the state after num_computed tokens
     node: Any = None
     # results
     cached_tokens: int | None = None  # prefix reuse at first admission (reported to client)

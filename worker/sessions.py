@@ -36,6 +36,7 @@ class ParkedSession:
     node: Any
     ttl_s: float
     expires_at: float
+    state_slot: int | None = None  # recurrent models: the state after `tokens`
 
     @property
     def alloc_len(self) -> int:

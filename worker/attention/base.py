@@ -42,6 +42,12 @@ class AttentionBatch:
 
     A backend may memoise per-batch index tensors in `plan` (shared by every layer of the pass);
     callers build a fresh batch per forward pass.
+
+    With `window`, each query sees only the last `window` keys up to itself (a sliding-window
+    layer), and each sequence's keys may start after its first token: they are the last
+    `kv_lens[i]` keys, those its queries can see (`needs_band` says whether some query must
+    still skip some of them). `sliding` is the batch of a model's sliding-window layers, over
+    their own pool, beside this one of its full-attention layers.
     """
 
     q_lens: list[int]
@@ -50,6 +56,17 @@ class AttentionBatch:
     kv_slots: list[torch.Tensor] | None = None
     slot_table: torch.Tensor | None = None
     plan: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    window: int | None = None
+    sliding: AttentionBatch | None = None
+    states: torch.Tensor | None = None  # int64 [num_seqs]: recurrent-state slots (LFM2)
+
+    def needs_band(self) -> bool:
+        """Whether a query of this windowed batch sees fewer keys than the causal mask gives
+        it: a chunk of several queries whose last one reaches past the window."""
+        if self.window is None:
+            return False
+        return any(q > 1 and kv > self.window for q, kv in zip(self.q_lens, self.kv_lens,
+                                                                 strict=True))  # fmt: skip
 
     def slots(self, i: int) -> torch.Tensor:
         """The KV slots of sequence `i`, int64 [kv_lens[i]]."""
@@ -125,12 +142,19 @@ class AttentionBackend(ABC):
         """q [T, H, D], k/v [T, KVH, D] of the new tokens -> attention output [T, H, D]."""
 
 
-def end_aligned_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-    """Bool [q_len, kv_len] mask, True where query i may see key j (j <= kv_len - q_len + i).
+def end_aligned_mask(
+    q_len: int, kv_len: int, device: torch.device, window: int | None = None
+) -> torch.Tensor | None:
+    """Bool [q_len, kv_len] mask, True where query i may see key j (j <= kv_len - q_len + i,
+    and with `window`, j > kv_len - q_len + i - window).
 
-    None when there is no cached prefix: plain `is_causal` is the same mask and faster.
+    None when there is no cached prefix and no window cuts in: plain `is_causal` is the same
+    mask and faster.
     """
-    if q_len == kv_len:
+    banded = window is not None and kv_len > window and q_len > 1
+    if q_len == kv_len and not banded:
         return None
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
-    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+    keys = torch.arange(kv_len, device=device)[None, :]
+    mask = keys <= q_pos
+    return mask & (keys > q_pos - window) if banded else mask

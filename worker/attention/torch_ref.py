@@ -66,7 +66,8 @@ class _TorchPlan:
                 rows.append(start)
                 decode_slots.append(slots)
             else:
-                prefills.append((start, q_len, slots, end_aligned_mask(q_len, kv_len, device)))
+                mask = end_aligned_mask(q_len, kv_len, device, batch.window)
+                prefills.append((start, q_len, slots, mask))
             start += q_len
         if not rows:
             return _TorchPlan(None, None, None, prefills)

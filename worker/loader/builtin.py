@@ -1,8 +1,9 @@
 """Models radixray knows by name, and the cache of model directories it makes.
 
-Generated offline: `tiny` (tests) and `small` (CPU benchmarks). Each is a real HF Llama
-directory (config.json, generation_config.json, model.safetensors, tokenizer.json,
-tokenizer_config.json with a chat template) written on first use into
+Generated offline: `tiny` (tests) and `small` (CPU benchmarks), and `tiny-lfm2` (tests of a
+recurrent hybrid: LFM2's short convolutions with two attention layers). Each is a real HF
+directory, Llama's or LFM2's (config.json, generation_config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json with a chat template), written on first use into
 `$RADIXRAY_CACHE/<name>-v1` (default `~/.cache/radixray/models/<name>-v1`). Generation is
 deterministic (fixed seeds): the same files on every machine. Weights are random but scaled
 (unit-variance embeddings, 1/sqrt(fan_in) projections, sharper q/k, an untied LM head) so that
@@ -62,6 +63,8 @@ class BuiltinSpec:
     max_context: int
     rope_theta: float = 10000.0
     seed: int = 0
+    # LFM2 only: each layer "conv" or "full_attention" (empty: a Llama)
+    layer_types: tuple[str, ...] = ()
 
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -84,6 +87,18 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         max_context=16384,
         rope_theta=100000.0,
         seed=1,
+    ),
+    "tiny-lfm2": BuiltinSpec(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=192,
+        num_layers=5,
+        num_heads=4,
+        num_kv_heads=2,
+        max_context=8192,
+        rope_theta=1000000.0,
+        seed=2,
+        layer_types=("conv", "conv", "full_attention", "conv", "full_attention"),
     ),
 }
 
@@ -203,7 +218,11 @@ def _echo(message: str) -> None:
 
 def generate(name: str, dest: Path) -> None:
     """Write the whole HF directory of built-in model `name` into the existing folder `dest`."""
-    write_random_llama(dest, name, BUILTIN_MODELS[name])
+    spec = BUILTIN_MODELS[name]
+    if spec.layer_types:
+        write_random_lfm2(dest, name, spec)
+    else:
+        write_random_llama(dest, name, spec)
 
 
 def write_random_llama(
@@ -286,3 +305,56 @@ def random_weights(
     weights["lm_head.weight"] = linear(spec.vocab_size, h, 4.0)
     return {k: v.contiguous() for k, v in weights.items()}
 
+
+
+def write_random_lfm2(dest: Path, name: str, spec: BuiltinSpec) -> None:
+    """An HF LFM2 directory of shape `spec` (its `layer_types`), float32 seeded random weights,
+    in the existing folder `dest`."""
+    ids = write_tokenizer(dest, spec.vocab_size, spec.max_context, spec.seed)
+    eos = [ids[EOS], ids[END_OF_TEXT]]
+    config = _hf_config(name, spec, bos=ids[BOS], eos=eos, dtype=torch.float32)
+    for key in ("hidden_act", "rms_norm_eps", "attention_bias", "mlp_bias", "head_dim"):
+        del config[key]
+    config.update(
+        architectures=["Lfm2ForCausalLM"], model_type="lfm2", norm_eps=1e-5,
+        layer_types=list(spec.layer_types), conv_L_cache=3, conv_bias=False,
+        block_auto_adjust_ff_dim=False,
+    )  # fmt: skip
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": ids[BOS], "eos_token_id": eos, "pad_token_id": ids[END_OF_TEXT]}
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    save_file(random_lfm2_weights(spec), str(dest / "model.safetensors"), metadata={"format": "pt"})
+
+
+def random_lfm2_weights(spec: BuiltinSpec) -> dict[str, torch.Tensor]:
+    """LFM2's HF-named tensors, float32, drawn from a generator seeded with `spec.seed`."""
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, head = spec.hidden_size, spec.hidden_size // spec.num_heads
+    q, kv, inter = spec.num_heads * head, spec.num_kv_heads * head, spec.intermediate_size
+
+    def linear(out_dim: int, in_dim: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_dim, in_dim, generator=gen) / in_dim**0.5 * scale
+
+    weights = {"model.embed_tokens.weight": torch.randn(spec.vocab_size, h, generator=gen)}
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        weights[p + "operator_norm.weight"] = torch.ones(h)
+        weights[p + "ffn_norm.weight"] = torch.ones(h)
+        if kind == "conv":
+            weights[p + "conv.in_proj.weight"] = linear(3 * h, h, 2.0)
+            # a kernel of 3 taps per channel, each tap weighing about as much as the others
+            weights[p + "conv.conv.weight"] = torch.randn(h, 1, 3, generator=gen) / 3**0.5
+            weights[p + "conv.out_proj.weight"] = linear(h, h)
+        else:
+            weights[p + "self_attn.q_proj.weight"] = linear(q, h, 2.0)
+            weights[p + "self_attn.k_proj.weight"] = linear(kv, h, 2.0)
+            weights[p + "self_attn.v_proj.weight"] = linear(kv, h)
+            weights[p + "self_attn.out_proj.weight"] = linear(h, q)
+            weights[p + "self_attn.q_layernorm.weight"] = torch.ones(head)
+            weights[p + "self_attn.k_layernorm.weight"] = torch.ones(head)
+        weights[p + "feed_forward.w1.weight"] = linear(inter, h)
+        weights[p + "feed_forward.w3.weight"] = linear(inter, h)
+        weights[p + "feed_forward.w2.weight"] = linear(h, inter)
+    weights["model.embedding_norm.weight"] = torch.ones(h)
+    weights["lm_head.weight"] = linear(spec.vocab_size, h, 4.0)
+    return {k: v.contiguous() for k, v in weights.items()}

@@ -22,7 +22,9 @@ from safetensors import safe_open
 from worker.kernels.blocks import Blocks
 from worker.loader.builtin import resolve_model
 from worker.loader.gguf import quantized_tensors
+from worker.models import model_class
 from worker.models.config import ModelConfig
+from worker.models.gemma3 import Gemma3LM
 from worker.models.llama import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     attention: str = "torch",
-) -> CausalLM:
+) -> CausalLM | Gemma3LM:
     """The model in `path` (an HF directory or a built-in name such as "tiny") on `device`.
 
     `dtype` None keeps the checkpoint's dtype (`dtype`/`torch_dtype` in config.json, float32
@@ -94,7 +96,7 @@ def load_model(
     if dtype is not None:
         config = dataclasses.replace(config, dtype=dtype)
     with torch.device("meta"):
-        model = CausalLM(config, attention=attention)
+        model = model_class(config)(config, attention=attention)
     model.to_empty(device=torch.device(device))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight  # to_empty may untie them
@@ -132,7 +134,7 @@ def iter_weights(
                 yield name, f.get_tensor(name).to(device=device, dtype=dtype)
 
 
-def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Blocks]:
+def quantized_linears(model_path: str | Path, model: CausalLM | Gemma3LM) -> dict[str, Blocks]:
     """Parameter name -> quantized blocks, for each float32 linear weight of `model` (loaded
     from `model_path`) that its GGUF stores as blocks: `model_path` a `.gguf` file, or a model
     directory holding one GGUF (as a fetched model's keeps the file it was made from). Empty
@@ -146,8 +148,8 @@ def quantized_linears(model_path: str | Path, model: CausalLM) -> dict[str, Bloc
             return {}
         path = candidates[0]
     config = model.config
-    if config.dtype != torch.float32 or not path.is_file():
-        return {}
+    if config.dtype != torch.float32 or not path.is_file() or config.model_type == "gemma3":
+        return {}  # (Gemma 3's GGUF holds K-quant blocks, which the kernel does not read)
     parts: dict[str, list[tuple[int, Blocks]]] = {}
     try:
         for hf_name, blocks in quantized_tensors(path, config.num_heads, config.num_kv_heads):
