@@ -125,7 +125,13 @@ class Engine:
         radix = None
         # a hybrid model caches prefixes in the component cache (`worker.kv_memory`)
         window, states = self.runner.window, self.runner.states
-        if config.enable_cache and (window is not None or states is not None):
+        hybrid = window is not None or states is not None
+        if hybrid and config.host_kv_tokens:
+            raise ValueError(
+                "the host KV tier (host_kv_tokens) does not serve hybrid models (sliding-window "
+                "or recurrent layers) yet; set it to 0"
+            )
+        if config.enable_cache and hybrid:
             radix = make_hybrid_cache(allocator, window, states, config.block_size)
         elif config.enable_cache:
             radix = make_radix_cache(

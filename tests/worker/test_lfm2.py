@@ -133,3 +133,11 @@ def test_prefix_hits_resume_only_at_saved_states(hf):
     assert m.full_length == 48 and m.length == 0
     assert serve("c", shared[:50] + c) == 0
     assert radix.total_size(1) >= 2  # states the tree holds (group 1), balanced by the check
+
+
+def test_a_host_tier_is_refused_for_a_hybrid_model_not_ignored():
+    # The component cache's host tier is not wired into the engine: asking for one must say so
+    # at start rather than serve without it.
+    with pytest.raises(ValueError, match="host KV tier"):
+        engine(host_kv_tokens=1024)
+    assert engine(host_kv_tokens=0).memory.radix is not None
