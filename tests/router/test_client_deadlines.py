@@ -141,17 +141,16 @@ def test_oversized_and_overlong_headers(live):
     resp = httpx.post(live.url + "/v1/completions", json=OK, headers=many)
     assert resp.status_code == 431, resp.text
     assert resp.json()["error"]["code"] == "request_header_fields_too_large"
-    # one huge header is cut off while it arrives, not buffered whole
+    # one huge header is cut off while it arrives, not buffered whole: the header never ends
+    # (no blank line is ever sent), so the 431 can only come from counting it as it arrives.
+    # How much the client manages to send first is the kernel's socket buffers, not the router.
     sock = connect(live)
     sock.sendall(head("/v1/completions", 2, "X-Session-ID: ")[:-2])
-    sent = 0
     try:
         for _ in range(64):  # up to 4 MB
             sock.sendall(b"s" * 65536)
-            sent += 65536
     except OSError:  # the router answered and closed while we were still sending
         pass
-    assert sent < 1 << 20
     assert_openai_error(read_response(sock, 5), 431, code="request_header_fields_too_large")
     sock.close()
     nothing_left(live)
