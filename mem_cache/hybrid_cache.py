@@ -62,7 +62,13 @@ from mem_cache.host_cache import KVCopier
 from mem_cache.hybrid_host import HybridHostTier
 from mem_cache.hybrid_integrity import check_hybrid
 from mem_cache.hybrid_node import NO_STATE, HybridNode
-from mem_cache.radix_node import TOKEN_BYTES, common_prefix_tokens, last_block_hash, path_below
+from mem_cache.radix_node import (
+    TOKEN_BYTES,
+    common_prefix_tokens,
+    descendants,
+    last_block_hash,
+    path_below,
+)
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -858,7 +864,7 @@ class HybridRadixCache:
         """`AllCleared`, then `BlockStored` for every cached block of every group, parents first
         (device, then host copies)."""
         events: list[KVEvent] = [AllCleared()]
-        nodes = self._nodes()
+        nodes: list[HybridNode] = descendants(self.root)  # type: ignore[assignment]
         for medium, holds in ((DEVICE, self.holds), (HOST, self.host.holds)):
             for c, group in enumerate(self.groups):
                 seen: set[int] = set()
@@ -878,7 +884,7 @@ class HybridRadixCache:
         a path is locked or host-protected."""
         if any(self._protected) or self.host.pinned():
             raise ValueError("reset(): some path is locked or host-protected")
-        nodes = self._nodes()
+        nodes: list[HybridNode] = descendants(self.root)  # type: ignore[assignment]
         for node in reversed(nodes):  # leaves first
             if not node.evicted:
                 for i, pages in enumerate(node.windows):
@@ -895,15 +901,6 @@ class HybridRadixCache:
             node.value = None
         self._new_tree()
         self._events.append(AllCleared())
-
-    def _nodes(self) -> list[HybridNode]:
-        """Every node but the root, parents first."""
-        nodes, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            nodes.append(node)
-        return nodes
 
     def check_integrity(self) -> None:
         """Raise `AssertionError` naming the first violated invariant (see hybrid_integrity)."""

@@ -51,6 +51,7 @@ from mem_cache.radix_node import (
     TOKEN_BYTES,
     TreeNode,
     common_prefix_tokens,
+    descendants,
     last_block_hash,
     make_root,
     path_below,
@@ -525,7 +526,7 @@ class RadixCache:
         self.flush()
         if self._protected or self._host.pinned():
             raise ValueError("reset(): some path is locked or host-protected")
-        nodes = self._nodes()
+        nodes = descendants(self.root)
         pages = [n.value for n in nodes if n.value is not None]
         if pages and self.allocator is not None:
             self.allocator.free_pages(np.concatenate(pages))
@@ -535,14 +536,6 @@ class RadixCache:
             node.value = None
         self._new_tree()
         self._events.append(AllCleared())
-
-    def _nodes(self) -> list[TreeNode]:
-        nodes, stack = [], list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            stack.extend(node.children.values())
-            nodes.append(node)
-        return nodes
 
     def check_integrity(self) -> None:
         """Raise `AssertionError` naming the first violated invariant (see radix_integrity)."""

@@ -183,3 +183,13 @@ def common_prefix_tokens(key: bytes, query: bytes, offset: int) -> int:
     differs = x != y
     first = int(differs.argmax())  # argmax of a bool array stops at the first True
     return first if differs[first] else n
+
+
+def descendants(root: TreeNode) -> list[TreeNode]:
+    """Every node below `root` (not `root` itself), each after its parent."""
+    nodes, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        nodes.append(node)
+    return nodes

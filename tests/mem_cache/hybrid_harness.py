@@ -34,7 +34,7 @@ from mem_cache.events import (
 from mem_cache.host_cache import KVCopier
 from mem_cache.hybrid_cache import HybridMatch, HybridRadixCache
 from mem_cache.hybrid_node import NO_STATE, HybridNode
-from mem_cache.radix_node import path_below
+from mem_cache.radix_node import descendants, path_below
 
 
 class DictCopier(KVCopier):
@@ -284,7 +284,7 @@ class Harness:
                 assert set(ev.hashes) <= held, "events: a block removed that was not stored"
                 held.difference_update(ev.hashes)
         cache = self.cache
-        nodes = cache._nodes()
+        nodes = descendants(cache.root)
         for c, g in enumerate(self.groups):
             for medium, holds in ((DEVICE, cache.holds), (HOST, cache.host.holds)):
                 want = {h for n in nodes if holds(n, c) for h in cache.blocks(n, c)}

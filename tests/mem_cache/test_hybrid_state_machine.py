@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
+from mem_cache.radix_node import descendants
+
 from .hybrid_harness import Harness
 
 
@@ -100,7 +102,7 @@ class HybridMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.h.check()
-        nodes = self.h.cache._nodes()
+        nodes = descendants(self.h.cache.root)
         self.seen["tombstone"] += any(
             not n.evicted and any(w is None for w in n.windows) for n in nodes)
         self.seen["host-only"] += any(n.evicted for n in nodes)
